@@ -1,0 +1,145 @@
+"""Req (one generation request and its bookkeeping) and ScheduleBatch (what one step runs)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_dflash.engine.forward_batch import ForwardMode
+from sglang_dflash.engine.sampling_params import SamplingParams
+from sglang_dflash.engine.tokenizer import IncrementalDetokenizer
+
+
+class Req:
+    """A request. Invariant while decoding: KV holds fill_ids[:-1]; fill_ids[-1] is the next input."""
+
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        detokenizer: IncrementalDetokenizer,
+        eos_token_ids: set[int],
+        context_length: int,
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.output_ids: list[int] = []
+        self.detokenizer = detokenizer
+        self.stop_token_ids = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            self.stop_token_ids |= eos_token_ids
+        self.context_length = context_length
+        self.finished_reason: dict | None = None
+        self.req_pool_idx: int | None = None
+        self.kv_committed_len = 0  # tokens whose KV is in the cache
+        self.kv_allocated_len = 0  # slots reserved in req_to_token row
+        seed = sampling_params.seed if sampling_params.seed is not None else torch.seed()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.created_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.sent_text_len = 0
+        self.spec_verify_ct = 0
+        self.spec_accepted_drafts = 0
+        self.spec_draft_slots = 0
+        self.spec_histogram: list[int] = []  # [k] = verify steps that committed k + 1 tokens
+        self.retracted_count = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def in_prefill(self) -> bool:
+        """True until the cache covers all of fill_ids but the last token (the next input)."""
+        return not self.output_ids or self.kv_committed_len < self.seq_len - 1
+
+    def append_token(self, token: int) -> None:
+        """Adds one generated token and checks the stop conditions in SGLang's order."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token)
+        delta = self.detokenizer.append([token])
+        params = self.sampling_params
+        if token in self.stop_token_ids:
+            self.finish({"type": "stop", "matched": token})
+        elif len(self.output_ids) >= params.max_new_tokens:
+            self.finish({"type": "length", "length": params.max_new_tokens})
+        elif self.seq_len >= self.context_length:
+            self.finish({"type": "length", "length": len(self.output_ids)})
+        if params.stop and delta:
+            text = self.detokenizer.text
+            window = text[max(0, len(text) - len(delta) - max(map(len, params.stop)) + 1) :]
+            hits = [(window.find(s), s) for s in params.stop if s in window]
+            if hits:
+                pos, s = min(hits)
+                self.detokenizer.text = text[: len(text) - len(window) + pos]
+                self.finished_reason = {"type": "stop", "matched": s}
+                self.finished_time = time.perf_counter()
+
+    def finish(self, reason: dict) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = reason
+            self.finished_time = time.perf_counter()
+
+    def streamable_text(self) -> str:
+        """Text safe to stream so far: holds back a tail that could still become a stop string."""
+        text = self.detokenizer.text
+        if self.finished() or not self.sampling_params.stop:
+            return text
+        hold = max(map(len, self.sampling_params.stop)) - 1
+        return text[: max(self.sent_text_len, len(text) - hold)]
+
+    def meta_info(self) -> dict:
+        end = self.finished_time or time.perf_counter()
+        info = {
+            "id": self.rid,
+            "prompt_tokens": len(self.origin_input_ids),
+            "completion_tokens": len(self.output_ids),
+            "finish_reason": self.finished_reason,
+            "e2e_latency": end - self.created_time,
+        }
+        if self.spec_verify_ct:
+            info["spec_verify_ct"] = self.spec_verify_ct
+            info["spec_accept_length"] = (self.spec_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct
+            info["spec_accept_rate"] = self.spec_accepted_drafts / max(self.spec_draft_slots, 1)
+            info["spec_accept_histogram"] = list(self.spec_histogram)
+        return info
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one step and the host-side lengths the worker turns into a ForwardBatch."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    prefix_lens: list[int] = field(default_factory=list)  # EXTEND: cached tokens per request
+    extend_lens: list[int] = field(default_factory=list)  # EXTEND: new tokens per request
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def extend_input_ids(self) -> list[int]:
+        ids: list[int] = []
+        for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            ids.extend(r.fill_ids[p : p + e])
+        return ids
+
+
+@dataclass
+class GenerationBatchResult:
+    """Per request: the tokens this step committed (empty for an unfinished prefill chunk)."""
+
+    next_token_ids: list[list[int]]
+    accept_lens: list[int] | None = None  # speculative: accepted drafts per request
+    block_sizes: list[int] | None = None  # speculative: block size each request ran with

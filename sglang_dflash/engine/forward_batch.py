@@ -1,0 +1,93 @@
+"""ForwardMode and ForwardBatch: what one model forward over many ragged requests needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill of new tokens after an already cached prefix (may be empty)
+    DECODE = auto()  # one token per request
+    TARGET_VERIFY = auto()  # a block of draft tokens per request, causal inside the block
+
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
+
+
+@dataclass
+class ForwardBatch:
+    """Flat token inputs of a batch plus per-request lengths.
+
+    Every mode is an extension of each request by `extend_seq_lens[i]` tokens after
+    `extend_prefix_lens[i]` cached ones; attention is causal over prefix + new tokens.
+    """
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 token slots the new K/V are written to
+    req_pool_indices: torch.Tensor  # [bs] int64 rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int64 prefix + new tokens
+    extend_seq_lens: torch.Tensor  # [bs] int64 new tokens per request
+    extend_prefix_lens: torch.Tensor  # [bs] int64 cached tokens per request
+    seq_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    logits_indices: torch.Tensor | None = None  # [n] rows of the flat batch to compute logits for
+    capture_layer_ids: tuple[int, ...] | None = None  # residual stream after these layers
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int] | torch.Tensor,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        req_to_token: torch.Tensor,
+        device: torch.device,
+        logits: str = "last",
+        capture_layer_ids: tuple[int, ...] | None = None,
+    ) -> ForwardBatch:
+        """Builds a batch from host lists. logits: 'last' (last new token per request), 'all', 'none'."""
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        positions = torch.cat(
+            [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
+        ).to(device)
+        rpi = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
+        req_idx = torch.repeat_interleave(rpi, torch.tensor(extend_lens, device=device))
+        out_cache_loc = req_to_token[req_idx, positions].to(torch.int64)
+        if logits == "last":
+            logits_indices = torch.tensor(extend_lens, device=device).cumsum(0) - 1
+        elif logits == "all":
+            logits_indices = torch.arange(sum(extend_lens), device=device)
+        else:
+            logits_indices = None
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.tensor(input_ids, dtype=torch.int64)
+        return cls(
+            forward_mode=mode,
+            input_ids=input_ids.to(device),
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=rpi,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
+            extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+            seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=list(extend_lens),
+            logits_indices=logits_indices,
+            capture_layer_ids=capture_layer_ids,
+        )

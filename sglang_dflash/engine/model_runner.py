@@ -1,0 +1,57 @@
+"""ModelRunner: the target model on a device, its KV pools, and one forward per ForwardBatch."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sglang_dflash.engine.attention import TorchNativeAttnBackend
+from sglang_dflash.engine.forward_batch import ForwardBatch
+from sglang_dflash.engine.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from sglang_dflash.models.config import ModelConfig
+from sglang_dflash.models.llama import CausalLM, LogitsOutput
+from sglang_dflash.models.model_store import load_model_config, load_weights, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_total_tokens: int,
+        max_running_requests: int,
+        context_length: int | None = None,
+    ):
+        t0 = time.perf_counter()
+        self.device = device
+        self.dtype = dtype
+        self.model_dir = resolve_model_dir(model_path)
+        self.model_config: ModelConfig = load_model_config(self.model_dir)
+        cfg = self.model_config
+        self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        model = model.to_empty(device=device)
+        model.tie_weights()
+        model.load_weights(load_weights(self.model_dir))
+        model.to(dtype)
+        model.init_rope(device)
+        model.eval().requires_grad_(False)
+        self.model = model
+        self.max_total_tokens = max_total_tokens
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.context_length + 1, device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens, device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+        )
+        self.attn_backend = TorchNativeAttnBackend()
+        logger.info("loaded %s (%s) in %.2fs", self.model_dir, cfg.architecture, time.perf_counter() - t0)
+
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        meta = self.attn_backend.init_forward_metadata(fb, self.req_to_token_pool.req_to_token)
+        return self.model(fb, self.token_to_kv_pool, self.attn_backend, meta)
