@@ -1,0 +1,42 @@
+"""Kernel backend selection: Triton on cuda/xpu tensors when importable, torch otherwise.
+
+`SGLANG_DFLASH_KERNELS=torch|triton` forces one backend (Triton on CPU tensors needs
+`TRITON_INTERPRET=1`).
+"""
+
+import functools
+import importlib
+import os
+
+import torch
+
+ENV_VAR = "SGLANG_DFLASH_KERNELS"
+_TRITON_DEVICES = ("cuda", "xpu")
+
+
+@functools.cache
+def triton_import_error() -> str | None:
+    """None when triton imports, otherwise the import error text."""
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:  # triton is an optional dependency
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def triton_available() -> bool:
+    return triton_import_error() is None
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether kernels called on `tensor` should run the Triton implementation."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced == "torch":
+        return False
+    if forced == "triton":
+        if not triton_available():
+            raise RuntimeError(f"{ENV_VAR}=triton but triton is unavailable ({triton_import_error()})")
+        return True
+    if forced:
+        raise ValueError(f"{ENV_VAR} must be 'torch' or 'triton', got {forced!r}")
+    return tensor.device.type in _TRITON_DEVICES and triton_available()

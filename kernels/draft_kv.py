@@ -1,0 +1,52 @@
+"""Just-in-time draft context KV: per-layer K RMSNorm + neox RoPE, fused write into the draft KV pool."""
+
+import torch
+from sglang_dflash.kernels.backend import use_triton
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rotate-halves RoPE on the first `rotary_dim` dims of `x`; `cos`/`sin` broadcast to x[..., :rot/2]."""
+    half = rotary_dim // 2
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def materialize_draft_kv_torch(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    eps: float,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    """kv [N, L, 2, nKV, hd] -> k_buffer/v_buffer [L, slots, nKV, hd] at out_cache_loc [N]."""
+    k = kv[:, :, 0].float()
+    k = k * torch.rsqrt(k.pow(2).mean(dim=-1, keepdim=True) + eps) * k_norm_weight.float()[None, :, None]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
+    k = rope_neox(k, cos[:, None, None], sin[:, None, None], rotary_dim)
+    loc = out_cache_loc.long()
+    k_buffer[:, loc] = k.transpose(0, 1).to(k_buffer.dtype)
+    v_buffer[:, loc] = kv[:, :, 1].transpose(0, 1).to(v_buffer.dtype)
+
+
+def materialize_draft_kv(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    rotary_dim: int,
+    eps: float,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+) -> None:
+    args = (kv, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps, k_buffer, v_buffer, out_cache_loc)
+    if use_triton(kv):
+        from sglang_dflash.kernels.draft_kv_triton import materialize_draft_kv_triton
+
+        materialize_draft_kv_triton(*args)
+    else:
+        materialize_draft_kv_torch(*args)

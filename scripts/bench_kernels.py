@@ -1,0 +1,190 @@
+"""Micro-benchmark each DFlash kernel against its torch reference at serving shapes.
+
+On cuda/xpu both backends are timed with triton.testing.do_bench (median) and their outputs compared;
+on cpu only the torch references run, timed with time.perf_counter. Prints a table, optionally JSON.
+
+    python scripts/bench_kernels.py --device cuda --out runs/kernels.json
+    python scripts/bench_kernels.py --device cpu --batch 1,8 --vocab 32000
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from sglang_dflash.kernels import (
+    greedy_accept_torch,
+    materialize_draft_kv_torch,
+    prepare_draft_block_torch,
+    sampling_accept_torch,
+    triton_available,
+)
+
+from sglang_dflash import device as dev
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 5, 8, 128, 16
+Case = tuple[str, str, Callable[[], object], Callable[[], object] | None]
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type != "cpu":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    fn()
+    times: list[float] = []
+    budget = time.perf_counter() + 0.5
+    while len(times) < 5 or (time.perf_counter() < budget and len(times) < 100):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def same(a: object, b: object) -> bool:
+    """Exact for integer outputs, rel err < 1e-2 for (bf16) float outputs."""
+    if isinstance(a, tuple | list):
+        return all(same(x, y) for x, y in zip(a, b, strict=True))
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(((a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()).item())
+
+
+def materialize_case(n: int, device: torch.device, triton: bool) -> Case:
+    kv = torch.randn(n, LAYERS, 2, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    weight = torch.rand(LAYERS, HEAD_DIM, device=device, dtype=torch.bfloat16) + 0.5
+    positions = torch.randint(0, 8192, (n,), device=device)
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM)
+    freqs = torch.outer(torch.arange(8192, device=device).float(), inv_freq)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    slots = max(8192, 2 * n)
+    loc = torch.randperm(slots, device=device)[:n]
+    pools = [
+        torch.zeros(LAYERS, slots, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(4)
+    ]
+
+    def run(fn: Callable, k_buf: torch.Tensor, v_buf: torch.Tensor) -> Callable[[], object]:
+        def call() -> tuple[torch.Tensor, torch.Tensor]:
+            fn(kv, weight, positions, cos_sin, HEAD_DIM, 1e-6, k_buf, v_buf, loc)
+            return k_buf[:, loc], v_buf[:, loc]
+
+        return call
+
+    fast = None
+    if triton:
+        from sglang_dflash.kernels.draft_kv_triton import materialize_draft_kv_triton
+
+        fast = run(materialize_draft_kv_triton, pools[2], pools[3])
+    return (
+        "materialize_draft_kv",
+        f"N={n} L={LAYERS} nKV={KV_HEADS} hd={HEAD_DIM}",
+        run(materialize_draft_kv_torch, pools[0], pools[1]),
+        fast,
+    )
+
+
+def greedy_case(bs: int, device: torch.device, triton: bool) -> Case:
+    target = torch.randint(0, 1000, (bs, BLOCK), device=device)
+    drafts = torch.where(torch.rand(bs, BLOCK - 1, device=device) < 0.8, target[:, :-1], 0)
+    candidates = torch.cat([target[:, :1], drafts], dim=1)
+    block_lens = torch.full((bs,), BLOCK, device=device)
+    args = (candidates, target, block_lens)
+    fast = None
+    if triton:
+        from sglang_dflash.kernels.greedy_triton import greedy_accept_triton
+
+        fast = lambda: greedy_accept_triton(*args)
+    return "greedy_accept", f"bs={bs} B={BLOCK}", lambda: greedy_accept_torch(*args), fast
+
+
+def sampling_case(bs: int, vocab: int, point_mass: bool, device: torch.device, triton: bool) -> Case:
+    p = torch.softmax(torch.randn(bs, BLOCK, vocab, device=device) * 4, dim=-1)
+    q = None if point_mass else torch.softmax(torch.randn(bs, BLOCK, vocab, device=device) * 4, dim=-1)
+    drafts = p.argmax(dim=-1)
+    candidates = torch.cat([drafts[:, :1], drafts[:, :-1]], dim=1)
+    block_lens = torch.full((bs,), BLOCK, device=device)
+    uniforms = torch.rand(bs, BLOCK, device=device)
+    args = (p, candidates, q, block_lens, uniforms, torch.rand(bs, device=device))
+    fast = None
+    if triton:
+        from sglang_dflash.kernels.sampling_triton import sampling_accept_triton
+
+        fast = lambda: sampling_accept_triton(*args)
+    name = "sampling_accept" + ("(point)" if point_mass else "(q)")
+    return name, f"bs={bs} B={BLOCK} V={vocab}", lambda: sampling_accept_torch(*args), fast
+
+
+def block_case(bs: int, device: torch.device, triton: bool) -> Case:
+    max_len = 4096
+    table = torch.randint(0, 1 << 20, (bs + 8, max_len), device=device, dtype=torch.int32)
+    seq_lens = torch.randint(0, max_len - BLOCK, (bs,), device=device)
+    args = (
+        torch.randint(0, 1000, (bs,), device=device),
+        seq_lens,
+        torch.randperm(bs + 8, device=device)[:bs],
+    )
+    fast = None
+    if triton:
+        from sglang_dflash.kernels.draft_block_triton import prepare_draft_block_triton
+
+        fast = lambda: prepare_draft_block_triton(*args, table, BLOCK, 7)
+    return (
+        "prepare_draft_block",
+        f"bs={bs} B={BLOCK}",
+        lambda: prepare_draft_block_torch(*args, table, BLOCK, 7),
+        fast,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or xpu")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--tokens", default="16,128,512", help="token counts N for materialize_draft_kv")
+    parser.add_argument("--batch", default="1,8,32,64", help="batch sizes for the per-request kernels")
+    parser.add_argument("--vocab", type=int, default=151936)
+    args = parser.parse_args()
+    device = dev.resolve_device(args.device)
+    triton = device.type != "cpu" and triton_available()
+    torch.manual_seed(0)
+    cases: list[Callable[[], Case]] = [
+        lambda n=n: materialize_case(n, device, triton) for n in map(int, args.tokens.split(","))
+    ]
+    for bs in map(int, args.batch.split(",")):
+        cases += [
+            lambda bs=bs: greedy_case(bs, device, triton),
+            lambda bs=bs: sampling_case(bs, args.vocab, True, device, triton),
+            lambda bs=bs: sampling_case(bs, args.vocab, False, device, triton),
+            lambda bs=bs: block_case(bs, device, triton),
+        ]
+    rows = []
+    print(f"{'kernel':<22} {'shape':<32} {'torch ms':>9} {'triton ms':>9} {'speedup':>7}  match")
+    for make in cases:
+        name, shape, ref, fast = make()
+        row = {"kernel": name, "shape": shape, "torch_ms": time_ms(ref, device)}
+        if fast is not None:
+            row["triton_ms"] = time_ms(fast, device)
+            row["speedup"] = row["torch_ms"] / row["triton_ms"]
+            row["match"] = same(fast(), ref())
+        rows.append(row)
+        fast_cols = (
+            f"{row['triton_ms']:>9.4f} {row['speedup']:>6.2f}x  {row['match']}" if fast else f"{'-':>9}"
+        )
+        print(f"{name:<22} {shape:<32} {row['torch_ms']:>9.4f} {fast_cols}", flush=True)
+        del ref, fast
+        dev.empty_cache(device)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"device": str(device), "torch": torch.__version__, "triton_used": triton}
+        args.out.write_text(json.dumps({**meta, "results": rows}, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

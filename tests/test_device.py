@@ -1,0 +1,70 @@
+"""sglang_dflash.device: cpu paths everywhere, accelerator paths where one is present."""
+
+import pytest
+import torch
+
+from sglang_dflash import device as dev
+
+ACCEL = dev.accelerator()
+
+
+def test_resolve_device_cpu_and_errors() -> None:
+    assert dev.resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="expected cpu, cuda or xpu"):
+        dev.resolve_device("meta")
+    with pytest.raises(RuntimeError):
+        dev.resolve_device("not-a-device")
+    for kind in dev.ACCELERATORS:
+        if not dev.is_available(kind):
+            with pytest.raises(RuntimeError, match=f"no {kind} device"):
+                dev.resolve_device(kind)
+
+
+def test_accelerator_consistent() -> None:
+    assert ACCEL is None or dev.is_available(ACCEL.type)
+    assert dev.is_available("cpu") and not dev.is_available("meta")
+
+
+def test_cpu_streams_and_events_are_noops() -> None:
+    cpu = torch.device("cpu")
+    dev.synchronize(cpu)
+    dev.empty_cache("cpu")
+    stream = dev.new_stream(cpu)
+    assert stream is None and dev.current_stream(cpu) is None
+    with dev.stream_context(stream):
+        event = dev.record_event(cpu, stream)
+    assert event is None
+    dev.wait_event(stream, event)
+    dev.event_synchronize(event)
+    assert dev.event_done(event)
+
+
+def test_cpu_memory_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    free, total = dev.memory_info("cpu")
+    assert 0 < free <= total
+
+    def no_proc(*args: object, **kwargs: object) -> None:
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(dev, "open", no_proc, raising=False)
+    free_sysconf, total_sysconf = dev.memory_info(torch.device("cpu"))
+    assert 0 < free_sysconf <= total_sysconf and abs(total_sysconf - total) < 0.1 * total
+
+
+@pytest.mark.skipif(ACCEL is None, reason="no cuda/xpu device")
+def test_accelerator_stream_roundtrip() -> None:
+    device = dev.resolve_device(ACCEL.type)
+    assert device.index is not None
+    stream = dev.new_stream(device)
+    x = torch.ones(1024, device=device)
+    dev.wait_event(stream, dev.record_event(device))
+    with dev.stream_context(stream):
+        y = x * 2
+        done = dev.record_event(device, stream)
+    dev.wait_event(dev.current_stream(device), done)
+    dev.event_synchronize(done)
+    assert dev.event_done(done) and y.sum().item() == 2048
+    dev.synchronize(device)
+    dev.empty_cache(device)
+    free, total = dev.memory_info(device)
+    assert 0 < free <= total
