@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 class Worker(Protocol):
     def tokens_per_decode_step(self, req: Req) -> int: ...
 
+    def validate_request(self, req: Req) -> None: ...
+
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult: ...
 
 
@@ -43,6 +45,7 @@ class Scheduler:
 
     # ---- requests in and out ----
     def add_request(self, req: Req) -> None:
+        self.worker.validate_request(req)
         need = req.seq_len + self.worker.tokens_per_decode_step(req)
         if need > self.allocator.size:
             raise ValueError(

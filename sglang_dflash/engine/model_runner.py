@@ -52,6 +52,13 @@ class ModelRunner:
         self.attn_backend = TorchNativeAttnBackend()
         logger.info("loaded %s (%s) in %.2fs", self.model_dir, cfg.architecture, time.perf_counter() - t0)
 
+    def reserve_tokens_per_step(self, n: int) -> None:
+        """Lets a request write n tokens past its committed length (speculative blocks): widens
+        req_to_token rows and keeps positions inside the rope table."""
+        self.context_length = min(self.context_length, self.model_config.max_position_embeddings - n)
+        pool = self.req_to_token_pool
+        self.req_to_token_pool = ReqToTokenPool(pool.size, self.context_length + n + 1, self.device)
+
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
         meta = self.attn_backend.init_forward_metadata(fb, self.req_to_token_pool.req_to_token)
         return self.model(fb, self.token_to_kv_pool, self.attn_backend, meta)

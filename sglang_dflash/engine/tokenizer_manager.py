@@ -32,9 +32,9 @@ class TokenizerManager:
         sampling_params: dict | SamplingParams | None = None,
         rid: str | None = None,
     ) -> Req:
-        params = (
-            sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
-        )
+        params = sampling_params
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params)
         if input_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string (or pass input_ids)")

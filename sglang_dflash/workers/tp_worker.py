@@ -59,10 +59,17 @@ class TpModelWorker:
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
         return self.model_runner.forward(fb)
 
+    def validate_request(self, req: Req) -> None:
+        """Nothing to check for plain decoding."""
+
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         out = self.forward(self.build_forward_batch(batch))
+        return self.sample_extend_or_decode(batch, out.next_token_logits)
+
+    def sample_extend_or_decode(self, batch: ScheduleBatch, logits: torch.Tensor) -> GenerationBatchResult:
+        """One next token for every request that has one (see rows_to_sample)."""
         rows = rows_to_sample(batch)
-        next_ids = iter(self.sample([batch.reqs[i] for i in rows], out.next_token_logits[rows]).tolist())
+        next_ids = iter(self.sample([batch.reqs[i] for i in rows], logits[rows]).tolist())
         done = set(rows)
         return GenerationBatchResult([[next(next_ids)] if i in done else [] for i in range(len(batch.reqs))])
 

@@ -1,0 +1,216 @@
+"""DFlash draft model: a few decoder layers that denoise a block [bonus, MASK, ...] in one
+non-causal pass, with the target's projected hidden features injected as extra K/V in every layer.
+
+Embedding and lm_head are the target's (held by reference, frozen). The context K/V of committed
+tokens is materialised just in time into the draft's paged pool by `materialize_context_kv`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from sglang_dflash.kernels import materialize_draft_kv
+from sglang_dflash.models.dflash_config import DFlashConfig
+from sglang_dflash.models.llama import MLP, RMSNorm
+from sglang_dflash.models.rotary import apply_rotary, build_cos_sin_cache
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, sliding_window: int | None):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.sliding_window = sliding_window
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer_id: int):
+        super().__init__()
+        sliding = cfg.layer_types is not None and cfg.layer_types[layer_id] == "sliding_attention"
+        self.self_attn = DraftAttention(cfg, cfg.sliding_window if sliding else None)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDraftModel(nn.Module):
+    """Trainable parts: layers, fc, hidden_norm, norm. `embed_tokens` / `lm_head` are the target's."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens: nn.Embedding | None = None
+        self.lm_head: nn.Linear | None = None
+        self.cos_sin_cache: torch.Tensor | None = None
+        self.kv_weight: torch.Tensor | None = None
+        self.kv_bias: torch.Tensor | None = None
+        self.k_norm_weight: torch.Tensor | None = None
+        self.draft_vocab: torch.Tensor | None = None
+
+    # ---- wiring ----
+    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        """Shares the target's embedding and lm_head (references, never copies)."""
+        object.__setattr__(self, "embed_tokens", embed_tokens)
+        object.__setattr__(self, "lm_head", lm_head)
+
+    def prepare_inference(self, device: torch.device) -> None:
+        """Builds the rope cache and the layer-stacked context K/V weights (after weights are loaded)."""
+        cfg = self.config
+        self.cos_sin_cache = build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        attns = [layer.self_attn for layer in self.layers]
+        self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)], 0).detach()
+        if cfg.attention_bias:
+            self.kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)], 0).detach()
+        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns]).detach()
+        if cfg.draft_vocab is not None:
+            self.draft_vocab = torch.tensor(cfg.draft_vocab, dtype=torch.int64, device=device)
+
+    # ---- context features -> draft KV ----
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target hidden states [N, K*H] -> ctx [N, H] = hidden_norm(fc(features))."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def materialize_context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+        k_buffer: torch.Tensor, v_buffer: torch.Tensor, reference: bool = False,
+    ) -> None:
+        """Writes K = RoPE(k_norm(k_proj(ctx))), V = v_proj(ctx) of every draft layer, with ONE GEMM.
+        `reference=True` runs the plain per-layer path instead (for tests)."""
+        ctx = self.project_context(features)
+        if reference:
+            self._materialize_per_layer(ctx, positions, out_cache_loc, k_buffer, v_buffer)
+            return
+        cfg = self.config
+        kv = F.linear(ctx, self.kv_weight, self.kv_bias)
+        kv = kv.view(-1, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
+        materialize_draft_kv(kv, self.k_norm_weight, positions, self.cos_sin_cache, cfg.head_dim, cfg.rms_norm_eps,
+                    k_buffer, v_buffer, out_cache_loc)
+
+    def _materialize_per_layer(self, ctx, positions, out_cache_loc, k_buffer, v_buffer) -> None:
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        n = ctx.shape[0]
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            k = a.k_norm(a.k_proj(ctx).view(n, a.nkv, a.hd))
+            k_buffer[i].index_copy_(0, out_cache_loc, apply_rotary(k, cos_sin).to(k_buffer.dtype))
+            v_buffer[i].index_copy_(0, out_cache_loc, a.v_proj(ctx).view(n, a.nkv, a.hd).to(v_buffer.dtype))
+
+    # ---- the block forward ----
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+        kv_indices: torch.Tensor, kv_lens: torch.Tensor, block: int, k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [bs*block, H] of padded blocks.
+
+        input_ids/positions/out_cache_loc: [bs*block]; kv_indices [bs, max_kv] token slots of each
+        request's context followed by its block; kv_lens [bs] = context + real block length.
+        Each block writes its own K/V into its slots (rewritten by context K/V once committed).
+        """
+        bs = kv_indices.shape[0]
+        h = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        kv_pos = torch.arange(kv_indices.shape[1], device=h.device)
+        visible = kv_pos[None, :] < kv_lens[:, None]  # [bs, max_kv]: context + own block, non-causal
+        q_pos = positions.view(bs, block)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_norm(a.q_proj(x).view(-1, a.nh, a.hd))
+            k = a.k_norm(a.k_proj(x).view(-1, a.nkv, a.hd))
+            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+            k_buffer[i].index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
+            v_buffer[i].index_copy_(0, out_cache_loc, a.v_proj(x).view(-1, a.nkv, a.hd).to(v_buffer.dtype))
+            mask = visible[:, None, :]
+            if a.sliding_window is not None:
+                mask = mask & (q_pos[:, :, None] - kv_pos[None, None, :] < a.sliding_window)
+            keys = k_buffer[i][kv_indices].transpose(1, 2)
+            values = v_buffer[i][kv_indices].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.view(bs, block, a.nh, a.hd).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                attn_mask=mask[:, None], enable_gqa=a.nkv != a.nh,
+            )
+            h = h + a.o_proj(o.transpose(1, 2).reshape(bs * block, a.nh * a.hd))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target vocab (or the draft vocabulary subset, if the checkpoint has one)."""
+        x = self.norm(hidden)
+        if self.draft_vocab is None:
+            return self.lm_head(x).float()
+        return F.linear(x, self.lm_head.weight[self.draft_vocab]).float()
+
+    def map_draft_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.draft_vocab is None else self.draft_vocab[ids]
+
+    # ---- checkpoints ----
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "lm_head"))}
+
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        import json
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: (v.to(dtype) if dtype else v).contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        weights = {k.removeprefix("model."): v for k, v in weights.items()}
+        own = self.trainable_state_dict()
+        missing = sorted(set(own) - set(weights))
+        unexpected = sorted(set(weights) - set(own))
+        if missing or unexpected:
+            raise ValueError(f"draft checkpoint mismatch: missing {missing[:6]}, unexpected {unexpected[:6]}")
+        for name, w in weights.items():
+            if own[name].shape != w.shape:
+                raise ValueError(
+                    f"draft weight {name} has shape {tuple(w.shape)}, the config implies {tuple(own[name].shape)}"
+                )
+        self.load_state_dict(weights, strict=False)
+
+
+def load_draft_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
+    """Reads a DFlash checkpoint directory (config.json + model.safetensors)."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path} is not a DFlash checkpoint (needs config.json and model.safetensors)")
+    cfg = DFlashConfig.load(path)
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    model = model.to_empty(device=device)
+    model.load_weights(load_file(str(path / "model.safetensors"), device=str(device)))
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def random_draft_model(cfg: DFlashConfig, seed: int = 0, std: float = 0.02) -> DFlashDraftModel:
+    """A randomly initialised draft (float32, cpu), for tests and as a training starting point."""
+    g = torch.Generator().manual_seed(seed)
+    model = DFlashDraftModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            else:
+                p.zero_()
+    return model

@@ -1,0 +1,217 @@
+"""DFlashWorker: lossless block-diffusion speculative decoding around the target worker.
+
+One decode step for the whole batch: draft forward on [bonus, MASK x (B-1)] per request ->
+one batched TARGET_VERIFY forward -> accept (greedy or rejection sampling) -> commit ->
+just-in-time materialisation of the committed rows' context K/V into the draft pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sglang_dflash.engine.forward_batch import ForwardBatch, ForwardMode
+from sglang_dflash.engine.memory_pool import MHATokenToKVPool
+from sglang_dflash.engine.sampler import (
+    SamplingBatchInfo,
+    apply_penalties,
+    draw_uniforms,
+    logits_to_probs,
+    penalty_state,
+)
+from sglang_dflash.kernels import greedy_accept, sampling_accept
+from sglang_dflash.models.dflash import DFlashDraftModel, load_draft_model
+from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
+from sglang_dflash.server_args import ServerArgs
+from sglang_dflash.workers.tp_worker import TpModelWorker
+
+logger = logging.getLogger(__name__)
+
+DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
+DEFAULT_DRAFTER = DRAFTERS_DIR / "smollm2-135m-instruct-dflash"
+
+
+def default_drafter_path(model_path: str | None) -> Path:
+    """The drafter shipped for the default target model."""
+    from sglang_dflash.models.default_model import default_model_path
+
+    is_default = model_path is None or Path(model_path).resolve() == default_model_path().resolve()
+    if not is_default:
+        raise ValueError("speculative_algorithm='DFLASH' needs speculative_draft_model_path for this target model")
+    if not (DEFAULT_DRAFTER / "model.safetensors").is_file():
+        raise ValueError(
+            f"no default DFlash drafter is installed ({DEFAULT_DRAFTER}); pass speculative_draft_model_path"
+        )
+    return DEFAULT_DRAFTER
+
+
+@dataclass
+class VerifyInput:
+    """Padded [bs, B] view of a decode step: candidates = [bonus, d1, ...] per request."""
+
+    candidates: torch.Tensor  # [bs, B] int64
+    block_lens: torch.Tensor  # [bs] int64
+    blocks: list[int]
+    prefix_lens: list[int]
+
+
+class DFlashWorker:
+    def __init__(self, target_worker: TpModelWorker, server_args: ServerArgs):
+        self.target = target_worker
+        runner = target_worker.model_runner
+        self.device = runner.device
+        path = server_args.speculative_draft_model_path or default_drafter_path(server_args.model_path)
+        self.draft: DFlashDraftModel = load_draft_model(path, self.device, runner.dtype)
+        cfg = self.draft.config
+        cfg.check_target(runner.model_config)
+        self.draft.bind_target(runner.model.model.embed_tokens, runner.model.lm_head)
+        self.draft.prepare_inference(self.device)
+        self.block_size = server_args.speculative_num_draft_tokens or cfg.block_size
+        if not 1 <= self.block_size <= cfg.block_size:
+            raise ValueError(
+                f"speculative_num_draft_tokens={self.block_size} must be in [1, {cfg.block_size}] for this drafter"
+            )
+        runner.reserve_tokens_per_step(2 * cfg.block_size)
+        self.capture_layer_ids = tuple(cfg.target_layer_ids)
+        self.draft_pool = MHATokenToKVPool(
+            runner.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, runner.dtype,
+            self.device,
+        )
+        self.req_to_token = runner.req_to_token_pool.req_to_token
+        logger.info("DFlash drafter %s: %d layers, block %d, target layers %s", path, cfg.num_hidden_layers,
+                    self.block_size, list(self.capture_layer_ids))
+
+    # ---- scheduler interface ----
+    def block_size_of(self, req: Req) -> int:
+        return req.sampling_params.speculative_num_draft_tokens or self.block_size
+
+    def tokens_per_decode_step(self, req: Req) -> int:
+        return self.block_size_of(req)
+
+    def validate_request(self, req: Req) -> None:
+        n = req.sampling_params.speculative_num_draft_tokens
+        if n is not None and n > self.draft.config.block_size:
+            raise ValueError(
+                f"sampling_params.speculative_num_draft_tokens={n} exceeds the drafter's block size "
+                f"{self.draft.config.block_size}"
+            )
+
+    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend():
+            return self.forward_extend(batch)
+        return self.forward_decode(batch)
+
+    # ---- prefill ----
+    def forward_extend(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        fb = self.target.build_forward_batch(batch, capture_layer_ids=self.capture_layer_ids)
+        out = self.target.forward(fb)
+        self.materialize(out.hidden_states, fb.positions, fb.out_cache_loc)
+        return self.target.sample_extend_or_decode(batch, out.next_token_logits)
+
+    def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        with torch.inference_mode():
+            self.draft.materialize_context_kv(
+                features, positions, out_cache_loc, self.draft_pool.k_buffer, self.draft_pool.v_buffer
+            )
+
+    # ---- decode ----
+    def forward_decode(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        reqs = batch.reqs
+        blocks = [self.block_size_of(r) for r in reqs]
+        prefix = [r.kv_committed_len for r in reqs]
+        bonus = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            drafts = self.propose(reqs, bonus, prefix, blocks)
+            candidates = torch.cat([bonus[:, None], drafts], dim=1)
+            vin = VerifyInput(candidates, torch.tensor(blocks, device=self.device), blocks, prefix)
+            fb, logits, hidden = self.verify(reqs, vin)
+            accept_lens, _, out_tokens = self.accept(reqs, vin, logits)
+            accept_host = accept_lens.tolist()
+            out_host = out_tokens.tolist()
+            rows = [start + j for start, acc in zip(self.row_starts(blocks), accept_host) for j in range(acc + 1)]
+            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            self.materialize(hidden[rows_t], fb.positions[rows_t], fb.out_cache_loc[rows_t])
+        tokens = [out_host[i][: acc + 1] for i, acc in enumerate(accept_host)]
+        return GenerationBatchResult(tokens, accept_lens=accept_host, block_sizes=blocks)
+
+    @staticmethod
+    def row_starts(blocks: list[int]) -> list[int]:
+        starts, total = [], 0
+        for b in blocks:
+            starts.append(total)
+            total += b
+        return starts
+
+    def propose(self, reqs: list[Req], bonus: torch.Tensor, prefix: list[int], blocks: list[int]) -> torch.Tensor:
+        """Draft tokens [bs, B-1] (B = the largest block in the batch) from one draft forward."""
+        bs, block = len(reqs), max(blocks)
+        cfg = self.draft.config
+        p = torch.tensor(prefix, dtype=torch.int64, device=self.device)
+        b = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
+        cols = torch.arange(block, device=self.device)
+        positions = p[:, None] + cols[None, :]
+        input_ids = torch.where(cols[None, :] == 0, bonus[:, None], cfg.mask_token_id)
+        in_block = cols[None, :] < b[:, None]
+        slots = self.req_to_token[rpi[:, None], positions.clamp(max=self.req_to_token.shape[1] - 1)]
+        out_cache_loc = torch.where(in_block, slots, 0)  # padded rows write into the padding slot 0
+        kv_indices = self.req_to_token[rpi, : max(prefix) + block]
+        hidden = self.draft(
+            input_ids.flatten(), positions.flatten(), out_cache_loc.flatten(), kv_indices, p + b, block,
+            self.draft_pool.k_buffer, self.draft_pool.v_buffer,
+        )
+        if block == 1:
+            return torch.empty(bs, 0, dtype=torch.int64, device=self.device)
+        logits = self.draft.compute_logits(hidden.view(bs, block, -1)[:, 1:].reshape(bs * (block - 1), -1))
+        return self.draft.map_draft_tokens(logits.argmax(-1)).view(bs, block - 1)
+
+    def verify(self, reqs: list[Req], vin: VerifyInput) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+        """One TARGET_VERIFY forward over every request's block; logits padded to [bs, B, V]."""
+        bs, block = vin.candidates.shape
+        cols = torch.arange(block, device=self.device)
+        in_block = cols[None, :] < vin.block_lens[:, None]
+        fb = ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY, vin.candidates[in_block], [r.req_pool_idx for r in reqs], vin.prefix_lens,
+            vin.blocks, self.req_to_token, self.device, logits="all", capture_layer_ids=self.capture_layer_ids,
+        )
+        out = self.target.forward(fb)
+        logits = out.next_token_logits.new_zeros(bs, block, out.next_token_logits.shape[-1])
+        logits[in_block] = out.next_token_logits
+        return fb, logits, out.hidden_states
+
+    def accept(self, reqs: list[Req], vin: VerifyInput, logits: torch.Tensor):
+        """Greedy or lossless rejection sampling; penalties see the block tokens before each row."""
+        bs, block, vocab = logits.shape
+        params = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo.from_params(params, vocab, self.device)
+        flat = logits.view(bs * block, vocab)
+        if info.any_penalty:
+            flat = self.penalised(reqs, vin, flat, info)
+        if info.all_greedy:
+            return greedy_accept(vin.candidates, flat.argmax(-1).view(bs, block), vin.block_lens)
+        row_info = info.expand(torch.full((bs,), block, device=self.device))
+        probs = logits_to_probs(flat, row_info)
+        greedy_rows = row_info.greedy[:, None]
+        probs = torch.where(greedy_rows, F.one_hot(flat.argmax(-1), vocab).to(probs.dtype), probs)
+        uniforms = draw_uniforms([r.generator for r in reqs], block + 1, self.device)
+        return sampling_accept(
+            probs.view(bs, block, vocab), vin.candidates, None, vin.block_lens, uniforms[:, :block], uniforms[:, block]
+        )
+
+    def penalised(self, reqs: list[Req], vin: VerifyInput, flat: torch.Tensor, info: SamplingBatchInfo):
+        bs, block = vin.candidates.shape
+        vocab = flat.shape[-1]
+        counts, seen = penalty_state(
+            [r.output_ids for r in reqs], [r.origin_input_ids for r in reqs], vocab, self.device
+        )
+        # row j of a block follows the drafts d1..dj: add them to the history of that row
+        drafts = F.one_hot(vin.candidates[:, 1:], vocab).to(counts.dtype)
+        before = torch.cat([counts.new_zeros(bs, 1, vocab), drafts.cumsum(1)], dim=1)  # [bs, B, V]
+        row_counts = (counts[:, None] + before).view(bs * block, vocab)
+        row_seen = (seen[:, None] | (before > 0)).view(bs * block, vocab)
+        row_info = info.expand(torch.full((bs,), block, device=self.device))
+        return apply_penalties(flat, row_info, row_counts, row_seen)
