@@ -138,8 +138,18 @@ class ScheduleBatch:
 
 @dataclass
 class GenerationBatchResult:
-    """Per request: the tokens this step committed (empty for an unfinished prefill chunk)."""
+    """What one step produced, still on the device (resolved by the scheduler when it processes it).
 
-    next_token_ids: list[list[int]]
-    accept_lens: list[int] | None = None  # speculative: accepted drafts per request
-    block_sizes: list[int] | None = None  # speculative: block size each request ran with
+    out_tokens [bs, W]: per request the committed new tokens, -1 padded (AR: W = 1; a prefill chunk
+    that does not finish the prompt gets -1). Speculative steps add accept_lens [bs] and block sizes.
+    """
+
+    out_tokens: torch.Tensor
+    accept_lens: torch.Tensor | None = None
+    block_sizes: list[int] | None = None
+
+    def resolve(self) -> tuple[list[list[int]], list[int] | None]:
+        """(tokens per request, accepted drafts per request) on the host: the one sync point."""
+        rows = self.out_tokens.tolist()
+        tokens = [[t for t in row if t >= 0] for row in rows]
+        return tokens, None if self.accept_lens is None else self.accept_lens.tolist()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
+import torch
 from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
 
 from sglang_dflash.engine.forward_batch import ForwardMode
@@ -31,6 +33,7 @@ class Scheduler:
         allocator: TokenToKVPoolAllocator,
         max_running_requests: int,
         chunked_prefill_size: int,
+        enable_overlap: bool = False,
     ):
         self.worker = worker
         self.req_to_token_pool = req_to_token_pool
@@ -38,15 +41,23 @@ class Scheduler:
         self.max_running_requests = min(max_running_requests, req_to_token_pool.size)
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting_queue: deque[Req] = deque()
-        self.prefilling: list[Req] = []  # admitted, prompt not fully cached yet
+        self.prefilling: list[Req] = []  # admitted; prompt not fully cached (or its last chunk in flight)
         self.running: list[Req] = []  # decoding
         self.num_retractions = 0
         self.finished_by_error: list[Req] = []
+        self.enable_overlap = enable_overlap
+        # overlap: decode steps allocate for the in-flight block and the next one (REFERENCE.md 7)
+        self.lookahead_blocks = 2 if enable_overlap else 1
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="device") if enable_overlap else None
+        self.in_flight: tuple[ScheduleBatch, Future] | None = None
+        self.launched = 0  # batches launched / completed, to know when freed memory is safe to reuse
+        self.completed = 0
+        self.deferred_frees: list[tuple[int, int, torch.Tensor]] = []  # (batch tag, req row, token slots)
 
     # ---- requests in and out ----
     def add_request(self, req: Req) -> None:
         self.worker.validate_request(req)
-        need = req.seq_len + self.worker.tokens_per_decode_step(req)
+        need = req.seq_len + self.lookahead_blocks * self.worker.tokens_per_decode_step(req)
         if need > self.allocator.size:
             raise ValueError(
                 f"prompt of {req.seq_len} tokens does not fit the KV pool ({self.allocator.size} tokens)"
@@ -54,7 +65,7 @@ class Scheduler:
         self.waiting_queue.append(req)
 
     def abort_request(self, rid: str, message: str = "aborted") -> Req | None:
-        """Finishes a request wherever it is and frees its memory at once."""
+        """Finishes a request wherever it is and frees its memory (once no in-flight batch uses it)."""
         for queue in (self.waiting_queue, self.prefilling, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -65,22 +76,32 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.prefilling or self.running)
+        return bool(self.waiting_queue or self.prefilling or self.running or self.in_flight)
 
     def num_requests(self) -> int:
         return len(self.waiting_queue) + len(self.prefilling) + len(self.running)
 
     # ---- memory ----
     def release(self, req: Req) -> None:
+        """Returns a request's row and slots; deferred while a launched batch may still use them."""
         if req.req_pool_idx is None:
             return
-        if req.kv_allocated_len:
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.allocator.free(row[: req.kv_allocated_len])
-        self.req_to_token_pool.free(req.req_pool_idx)
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len].clone()
+        self.deferred_frees.append((self.launched, req.req_pool_idx, slots))
         req.req_pool_idx = None
         req.kv_allocated_len = 0
         req.kv_committed_len = 0
+        self.free_completed()
+
+    def free_completed(self) -> None:
+        keep = []
+        for tag, row, slots in self.deferred_frees:
+            if tag <= self.completed:
+                self.allocator.free(slots)
+                self.req_to_token_pool.free(row)
+            else:
+                keep.append((tag, row, slots))
+        self.deferred_frees = keep
 
     def ensure_allocated(self, req: Req, length: int) -> bool:
         """Grows the request's slots to `length` tokens; False when the pool is out of slots."""
@@ -109,28 +130,32 @@ class Scheduler:
             return batch
         return self.get_decode_batch()
 
+    def decode_need(self, req: Req) -> int:
+        return req.kv_committed_len + self.lookahead_blocks * self.worker.tokens_per_decode_step(req)
+
     def get_prefill_batch(self) -> ScheduleBatch | None:
         budget = self.chunked_prefill_size
         reqs, prefix_lens, extend_lens = [], [], []
-        decode_reserve = sum(self.worker.tokens_per_decode_step(r) for r in self.running)
+        decode_reserve = sum(self.decode_need(r) - r.kv_allocated_len for r in self.running)
 
         def take(req: Req) -> bool:
             nonlocal budget
-            remaining = req.seq_len - req.kv_committed_len
-            n = min(remaining, budget)
-            reserve = decode_reserve + self.worker.tokens_per_decode_step(req)
-            if n <= 0 or self.allocator.available_size() - (req.kv_committed_len + n - req.kv_allocated_len) < reserve:
+            n = min(req.seq_len - req.kv_committed_len, budget)
+            reserve = decode_reserve + self.lookahead_blocks * self.worker.tokens_per_decode_step(req)
+            grow = req.kv_committed_len + n - req.kv_allocated_len
+            if self.allocator.available_size() - grow < reserve:
                 return False
             if not self.ensure_allocated(req, req.kv_committed_len + n):
                 return False
             reqs.append(req)
             prefix_lens.append(req.kv_committed_len)
             extend_lens.append(n)
+            req.kv_committed_len += n  # prefill results are deterministic: commit at schedule time
             budget -= n
             return True
 
-        for req in list(self.prefilling):
-            if budget <= 0 or not take(req):
+        for req in self.prefilling:
+            if req.seq_len - req.kv_committed_len > 0 and (budget <= 0 or not take(req)):
                 break
         while self.waiting_queue and budget > 0:
             if len(self.running) + len(self.prefilling) >= self.max_running_requests:
@@ -151,61 +176,85 @@ class Scheduler:
         return ScheduleBatch(reqs, ForwardMode.EXTEND, prefix_lens, extend_lens)
 
     def get_decode_batch(self) -> ScheduleBatch | None:
+        """All running requests, after growing their KV; retracts the newest when the pool is full."""
         while self.running:
-            newest = None
-            for req in self.running:
-                if not self.ensure_allocated(req, req.kv_committed_len + self.worker.tokens_per_decode_step(req)):
-                    newest = max(self.running, key=lambda r: r.created_time)
-                    break
-            if newest is None:
+            short = [r for r in self.running if not self.ensure_allocated(r, self.decode_need(r))]
+            if not short:
                 return ScheduleBatch(list(self.running), ForwardMode.DECODE)
-            if len(self.running) == 1:
-                self.running.remove(newest)
+            if self.in_flight is not None:  # retraction frees KV: first let the in-flight batch land
+                return None
+            newest = max(self.running, key=lambda r: r.created_time)
+            self.running.remove(newest)
+            if not self.running:
                 newest.finish({"type": "abort", "message": "KV cache is too small for this request"})
                 self.release(newest)
                 self.finished_by_error.append(newest)
-                continue
-            self.running.remove(newest)
-            self.retract(newest)
+            else:
+                self.retract(newest)
         return None
 
-    # ---- one step ----
+    # ---- steps ----
+    def run_step(self) -> list[Req]:
+        return self.step_overlap() if self.enable_overlap else self.step()
+
     def step(self) -> list[Req]:
-        """Runs one batch; returns the requests that got new tokens or finished this step."""
+        """Runs one batch and processes it; returns the requests that got tokens or finished."""
         self.finished_by_error = []
         batch = self.get_next_batch_to_run()
         if batch is None:
             return self.finished_by_error
+        self.launched += 1
         result = self.worker.forward_batch_generation(batch)
+        self.completed += 1
         return self.finished_by_error + self.process_batch_result(batch, result)
 
+    def step_overlap(self) -> list[Req]:
+        """Spec-V2 style: launch batch N on the device thread, then process batch N-1 meanwhile."""
+        self.finished_by_error = []
+        needs_history = any(r.sampling_params.has_penalties for r in self.running)
+        batch = None if (needs_history and self.in_flight) else self.get_next_batch_to_run()
+        launched = None
+        if batch is not None:
+            self.launched += 1
+            launched = (batch, self.executor.submit(self.worker.forward_batch_generation, batch))
+        touched = list(self.finished_by_error)
+        if self.in_flight is not None:
+            prev_batch, fut = self.in_flight
+            result = fut.result()
+            self.completed += 1
+            touched += self.process_batch_result(prev_batch, result)
+        self.in_flight = launched
+        return touched
+
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> list[Req]:
+        tokens_per_req, accept_lens = result.resolve()
         touched = []
         for i, req in enumerate(batch.reqs):
-            tokens = result.next_token_ids[i]
-            if batch.forward_mode.is_extend():
-                req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
-            else:
-                req.kv_committed_len += len(tokens)
-            if req.finished():  # aborted while in flight
+            tokens = tokens_per_req[i]
+            if req.finished() or req.req_pool_idx is None:  # aborted or retracted while in flight
                 continue
-            if result.accept_lens is not None and not batch.forward_mode.is_extend():
-                record_spec_step(req, result.accept_lens[i], result.block_sizes[i])
+            if not batch.forward_mode.is_extend():
+                req.kv_committed_len += len(tokens)
+                if accept_lens is not None:
+                    record_spec_step(req, accept_lens[i], result.block_sizes[i])
             for t in tokens:
-                req.append_token(int(t))
+                req.append_token(t)
                 if req.finished():
                     break
             if tokens:
                 touched.append(req)
                 if req in self.prefilling:
                     self.prefilling.remove(req)
-                    if not req.finished():
-                        self.running.append(req)
+                    self.running.append(req)
             if req.finished():
-                if req in self.running:
-                    self.running.remove(req)
+                self.running.remove(req)
                 self.release(req)
+        self.free_completed()
         return touched
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
 
 
 def record_spec_step(req: Req, accepted: int, block_size: int) -> None:
@@ -216,4 +265,3 @@ def record_spec_step(req: Req, accepted: int, block_size: int) -> None:
     if len(req.spec_histogram) < block_size:
         req.spec_histogram.extend([0] * (block_size - len(req.spec_histogram)))
     req.spec_histogram[accepted] += 1
-

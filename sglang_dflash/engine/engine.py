@@ -40,7 +40,7 @@ def build_components(args: ServerArgs) -> tuple[TokenizerManager, Scheduler]:
     tm = TokenizerManager(tokenizer, runner.context_length, eos)
     scheduler = Scheduler(
         worker, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, args.max_running_requests,
-        args.chunked_prefill_size,
+        args.chunked_prefill_size, enable_overlap=not args.disable_overlap_schedule,
     )
     return tm, scheduler
 
@@ -103,7 +103,9 @@ class Engine:
             for r in reqs:
                 self.scheduler.add_request(r)
             while any(not r.finished() for r in reqs):
-                self.scheduler.step()
+                self.scheduler.run_step()
+            while self.scheduler.in_flight is not None:  # land the batch still in flight
+                self.scheduler.run_step()
         except BaseException:
             for r in reqs:
                 self.scheduler.abort_request(r.rid, "error")
@@ -113,7 +115,7 @@ class Engine:
         self.scheduler.add_request(req)
         try:
             while not req.finished():
-                self.scheduler.step()
+                self.scheduler.run_step()
                 text = req.streamable_text()
                 if len(text) > req.sent_text_len or req.finished():
                     chunk = text[req.sent_text_len :]
@@ -126,6 +128,9 @@ class Engine:
     def shutdown(self) -> None:
         for req in list(self.scheduler.waiting_queue) + self.scheduler.prefilling + self.scheduler.running:
             self.scheduler.abort_request(req.rid, "engine shutdown")
+        while self.scheduler.in_flight is not None:
+            self.scheduler.run_step()
+        self.scheduler.shutdown()
 
     def __enter__(self) -> Engine:
         return self

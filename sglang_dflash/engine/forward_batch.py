@@ -39,14 +39,14 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [bs] int64 prefix + new tokens
     extend_seq_lens: torch.Tensor  # [bs] int64 new tokens per request
     extend_prefix_lens: torch.Tensor  # [bs] int64 cached tokens per request
-    seq_lens_cpu: list[int]
+    max_seq_len: int  # an upper bound of seq_lens, known on the host
     extend_seq_lens_cpu: list[int]
     logits_indices: torch.Tensor | None = None  # [n] rows of the flat batch to compute logits for
     capture_layer_ids: tuple[int, ...] | None = None  # residual stream after these layers
 
     @property
     def batch_size(self) -> int:
-        return len(self.seq_lens_cpu)
+        return len(self.extend_seq_lens_cpu)
 
     @classmethod
     def build(
@@ -86,8 +86,44 @@ class ForwardBatch:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
             extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
-            seq_lens_cpu=seq_lens,
+            max_seq_len=max(seq_lens),
             extend_seq_lens_cpu=list(extend_lens),
             logits_indices=logits_indices,
+            capture_layer_ids=capture_layer_ids,
+        )
+
+    @classmethod
+    def build_from_device(
+        cls,
+        mode: ForwardMode,
+        input_ids: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        extend_lens: list[int],
+        max_seq_len: int,
+        req_to_token: torch.Tensor,
+        capture_layer_ids: tuple[int, ...] | None = None,
+    ) -> ForwardBatch:
+        """Decode / verify batch whose prefix lengths live on the device (FutureMap): no host sync.
+        input_ids are flat [sum(extend_lens)]; logits for every row."""
+        device = input_ids.device
+        ext = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+        total = sum(extend_lens)
+        req_of_row = torch.repeat_interleave(torch.arange(len(extend_lens), device=device), ext, output_size=total)
+        row_starts = torch.repeat_interleave(ext.cumsum(0) - ext, ext, output_size=total)
+        positions = prefix_lens[req_of_row] + torch.arange(total, device=device) - row_starts
+        out_cache_loc = req_to_token[req_pool_indices[req_of_row], positions].to(torch.int64)
+        return cls(
+            forward_mode=mode,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            seq_lens=prefix_lens + ext,
+            extend_seq_lens=ext,
+            extend_prefix_lens=prefix_lens,
+            max_seq_len=max_seq_len,
+            extend_seq_lens_cpu=list(extend_lens),
+            logits_indices=torch.arange(total, device=device),
             capture_layer_ids=capture_layer_ids,
         )

@@ -56,7 +56,11 @@ class VerifyInput:
     candidates: torch.Tensor  # [bs, B] int64
     block_lens: torch.Tensor  # [bs] int64
     blocks: list[int]
-    prefix_lens: list[int]
+
+    def in_block(self) -> torch.Tensor:
+        """[bs, B] bool: columns inside each request's own block."""
+        cols = torch.arange(self.candidates.shape[1], device=self.candidates.device)
+        return cols[None, :] < self.block_lens[:, None]
 
 
 class DFlashWorker:
@@ -107,10 +111,10 @@ class DFlashWorker:
 
     # ---- prefill ----
     def forward_extend(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        fb = self.target.build_forward_batch(batch, capture_layer_ids=self.capture_layer_ids)
+        fb = self.target.build_extend_batch(batch, capture_layer_ids=self.capture_layer_ids)
         out = self.target.forward(fb)
         self.materialize(out.hidden_states, fb.positions, fb.out_cache_loc)
-        return self.target.sample_extend_or_decode(batch, out.next_token_logits)
+        return self.target.finish_extend(batch, fb, out.next_token_logits)
 
     def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         with torch.inference_mode():
@@ -120,48 +124,40 @@ class DFlashWorker:
 
     # ---- decode ----
     def forward_decode(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """Draft, verify, accept, materialise, publish: no host sync (inputs come from the FutureMap)."""
         reqs = batch.reqs
         blocks = [self.block_size_of(r) for r in reqs]
-        prefix = [r.kv_committed_len for r in reqs]
-        bonus = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=self.device)
+        kv_bound = max(r.kv_allocated_len for r in reqs)  # >= committed + block for every request
+        rpi = self.target.req_pool_indices(batch)
+        bonus, prefix = self.target.future_map.read(rpi)
+        block_lens = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            drafts = self.propose(reqs, bonus, prefix, blocks)
-            candidates = torch.cat([bonus[:, None], drafts], dim=1)
-            vin = VerifyInput(candidates, torch.tensor(blocks, device=self.device), blocks, prefix)
-            fb, logits, hidden = self.verify(reqs, vin)
-            accept_lens, _, out_tokens = self.accept(reqs, vin, logits)
-            accept_host = accept_lens.tolist()
-            out_host = out_tokens.tolist()
-            rows = [start + j for start, acc in zip(self.row_starts(blocks), accept_host) for j in range(acc + 1)]
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            self.materialize(hidden[rows_t], fb.positions[rows_t], fb.out_cache_loc[rows_t])
-        tokens = [out_host[i][: acc + 1] for i, acc in enumerate(accept_host)]
-        return GenerationBatchResult(tokens, accept_lens=accept_host, block_sizes=blocks)
+            drafts = self.propose(rpi, bonus, prefix, block_lens, max(blocks), kv_bound)
+            vin = VerifyInput(torch.cat([bonus[:, None], drafts], dim=1), block_lens, blocks)
+            fb, logits, hidden = self.verify(rpi, prefix, vin, kv_bound)
+            accept_lens, next_bonus, out_tokens = self.accept(reqs, vin, logits)
+            # context K/V for the committed rows only; the other rows write the padding slot 0
+            cols = torch.arange(vin.candidates.shape[1], device=self.device)
+            committed = (cols[None, :] <= accept_lens[:, None])[vin.in_block()]
+            self.materialize(hidden, fb.positions, torch.where(committed, fb.out_cache_loc, 0))
+            self.target.future_map.publish(rpi, next_bonus, prefix + accept_lens + 1)
+        return GenerationBatchResult(out_tokens, accept_lens=accept_lens, block_sizes=blocks)
 
-    @staticmethod
-    def row_starts(blocks: list[int]) -> list[int]:
-        starts, total = [], 0
-        for b in blocks:
-            starts.append(total)
-            total += b
-        return starts
-
-    def propose(self, reqs: list[Req], bonus: torch.Tensor, prefix: list[int], blocks: list[int]) -> torch.Tensor:
-        """Draft tokens [bs, B-1] (B = the largest block in the batch) from one draft forward."""
-        bs, block = len(reqs), max(blocks)
-        cfg = self.draft.config
-        p = torch.tensor(prefix, dtype=torch.int64, device=self.device)
-        b = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        rpi = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
+    def propose(
+        self, rpi: torch.Tensor, bonus: torch.Tensor, prefix: torch.Tensor, block_lens: torch.Tensor, block: int,
+        kv_bound: int,
+    ) -> torch.Tensor:
+        """Draft tokens [bs, block-1] from one draft forward over the padded blocks."""
+        bs = rpi.shape[0]
         cols = torch.arange(block, device=self.device)
-        positions = p[:, None] + cols[None, :]
-        input_ids = torch.where(cols[None, :] == 0, bonus[:, None], cfg.mask_token_id)
-        in_block = cols[None, :] < b[:, None]
+        positions = prefix[:, None] + cols[None, :]
+        input_ids = torch.where(cols[None, :] == 0, bonus[:, None], self.draft.config.mask_token_id)
+        in_block = cols[None, :] < block_lens[:, None]
         slots = self.req_to_token[rpi[:, None], positions.clamp(max=self.req_to_token.shape[1] - 1)]
         out_cache_loc = torch.where(in_block, slots, 0)  # padded rows write into the padding slot 0
-        kv_indices = self.req_to_token[rpi, : max(prefix) + block]
+        kv_indices = self.req_to_token[rpi, :kv_bound]
         hidden = self.draft(
-            input_ids.flatten(), positions.flatten(), out_cache_loc.flatten(), kv_indices, p + b, block,
+            input_ids.flatten(), positions.flatten(), out_cache_loc.flatten(), kv_indices, prefix + block_lens, block,
             self.draft_pool.k_buffer, self.draft_pool.v_buffer,
         )
         if block == 1:
@@ -169,14 +165,15 @@ class DFlashWorker:
         logits = self.draft.compute_logits(hidden.view(bs, block, -1)[:, 1:].reshape(bs * (block - 1), -1))
         return self.draft.map_draft_tokens(logits.argmax(-1)).view(bs, block - 1)
 
-    def verify(self, reqs: list[Req], vin: VerifyInput) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+    def verify(
+        self, rpi: torch.Tensor, prefix: torch.Tensor, vin: VerifyInput, kv_bound: int
+    ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
         """One TARGET_VERIFY forward over every request's block; logits padded to [bs, B, V]."""
         bs, block = vin.candidates.shape
-        cols = torch.arange(block, device=self.device)
-        in_block = cols[None, :] < vin.block_lens[:, None]
-        fb = ForwardBatch.build(
-            ForwardMode.TARGET_VERIFY, vin.candidates[in_block], [r.req_pool_idx for r in reqs], vin.prefix_lens,
-            vin.blocks, self.req_to_token, self.device, logits="all", capture_layer_ids=self.capture_layer_ids,
+        in_block = vin.in_block()
+        fb = ForwardBatch.build_from_device(
+            ForwardMode.TARGET_VERIFY, vin.candidates[in_block], rpi, prefix, vin.blocks, kv_bound,
+            self.req_to_token, capture_layer_ids=self.capture_layer_ids,
         )
         out = self.target.forward(fb)
         logits = out.next_token_logits.new_zeros(bs, block, out.next_token_logits.shape[-1])

@@ -1,10 +1,13 @@
-"""TpModelWorker: the target model worker. Runs prefill (EXTEND) and autoregressive DECODE steps."""
+"""TpModelWorker: the target model worker. Runs prefill (EXTEND) and autoregressive DECODE steps.
+
+Decode inputs (last token, committed length) are read from the FutureMap on the device, so a step
+can be launched before the host has processed the previous one (overlap scheduling)."""
 
 from __future__ import annotations
 
 import torch
 
-from sglang_dflash.engine.forward_batch import ForwardBatch
+from sglang_dflash.engine.forward_batch import ForwardBatch, ForwardMode
 from sglang_dflash.engine.model_runner import ModelRunner
 from sglang_dflash.engine.sampler import (
     SamplingBatchInfo,
@@ -14,6 +17,7 @@ from sglang_dflash.engine.sampler import (
     sample,
 )
 from sglang_dflash.models.llama import LogitsOutput
+from sglang_dflash.scheduler.future_map import FutureMap
 from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
 
 
@@ -24,26 +28,52 @@ class TpModelWorker:
         self.model_runner = model_runner
         self.device = model_runner.device
         self.vocab_size = model_runner.model_config.vocab_size
+        self.future_map = FutureMap(model_runner.req_to_token_pool.size, self.device)
 
     def tokens_per_decode_step(self, req: Req) -> int:
         """KV slots a decode step may write beyond the committed length."""
         return 1
 
-    def build_forward_batch(
-        self, batch: ScheduleBatch, capture_layer_ids: tuple[int, ...] | None = None, logits: str = "last"
-    ) -> ForwardBatch:
-        reqs = batch.reqs
-        pool = self.model_runner.req_to_token_pool
-        if batch.forward_mode.is_extend():
-            ids, prefix, extend = batch.extend_input_ids(), batch.prefix_lens, batch.extend_lens
-        else:
-            ids = [r.output_ids[-1] for r in reqs]
-            prefix = [r.kv_committed_len for r in reqs]
-            extend = [1] * len(reqs)
+    def validate_request(self, req: Req) -> None:
+        """Nothing to check for plain decoding."""
+
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        return self.model_runner.forward(fb)
+
+    def req_pool_indices(self, batch: ScheduleBatch) -> torch.Tensor:
+        return torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64, device=self.device)
+
+    def build_extend_batch(self, batch: ScheduleBatch, capture_layer_ids: tuple[int, ...] | None = None):
         return ForwardBatch.build(
-            batch.forward_mode, ids, [r.req_pool_idx for r in reqs], prefix, extend, pool.req_to_token,
-            self.device, logits=logits, capture_layer_ids=capture_layer_ids,
+            ForwardMode.EXTEND, batch.extend_input_ids(), [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
+            batch.extend_lens, self.model_runner.req_to_token_pool.req_to_token, self.device,
+            capture_layer_ids=capture_layer_ids,
         )
+
+    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        if batch.forward_mode.is_extend():
+            fb = self.build_extend_batch(batch)
+            return self.finish_extend(batch, fb, self.forward(fb).next_token_logits)
+        rpi = self.req_pool_indices(batch)
+        input_ids, prefix = self.future_map.read(rpi)
+        fb = ForwardBatch.build_from_device(
+            ForwardMode.DECODE, input_ids, rpi, prefix, [1] * len(batch.reqs),
+            max(r.kv_allocated_len for r in batch.reqs), self.model_runner.req_to_token_pool.req_to_token,
+        )
+        next_ids = self.sample(batch.reqs, self.forward(fb).next_token_logits)
+        self.future_map.publish(rpi, next_ids, fb.seq_lens)
+        return GenerationBatchResult(next_ids[:, None])
+
+    def finish_extend(self, batch: ScheduleBatch, fb: ForwardBatch, logits: torch.Tensor) -> GenerationBatchResult:
+        """Samples the first token of every request whose prefill completes; publishes it."""
+        out = torch.full((len(batch.reqs), 1), -1, dtype=torch.int64, device=self.device)
+        rows = rows_to_sample(batch)
+        if rows:
+            idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            ids = self.sample([batch.reqs[i] for i in rows], logits[idx])
+            out[idx, 0] = ids
+            self.future_map.publish(fb.req_pool_indices[idx], ids, fb.seq_lens[idx])
+        return GenerationBatchResult(out)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
@@ -55,23 +85,6 @@ class TpModelWorker:
             logits = apply_penalties(logits, info, counts, seen)
         uniforms = None if info.all_greedy else draw_uniforms([r.generator for r in reqs], 1, self.device)[:, 0]
         return sample(logits, info, uniforms)
-
-    def forward(self, fb: ForwardBatch) -> LogitsOutput:
-        return self.model_runner.forward(fb)
-
-    def validate_request(self, req: Req) -> None:
-        """Nothing to check for plain decoding."""
-
-    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        out = self.forward(self.build_forward_batch(batch))
-        return self.sample_extend_or_decode(batch, out.next_token_logits)
-
-    def sample_extend_or_decode(self, batch: ScheduleBatch, logits: torch.Tensor) -> GenerationBatchResult:
-        """One next token for every request that has one (see rows_to_sample)."""
-        rows = rows_to_sample(batch)
-        next_ids = iter(self.sample([batch.reqs[i] for i in rows], logits[rows]).tolist())
-        done = set(rows)
-        return GenerationBatchResult([[next(next_ids)] if i in done else [] for i in range(len(batch.reqs))])
 
 
 def rows_to_sample(batch: ScheduleBatch) -> list[int]:
