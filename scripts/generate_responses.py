@@ -1,0 +1,37 @@
+"""Regenerates responses for the training prompts with the target model (resumable shards).
+
+    nohup python scripts/generate_responses.py --num-prompts 8000 > runs/datagen.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from sglang_dflash import Engine
+from sglang_dflash.training.datagen import generate_responses
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=Path, default=Path("data/prompts.jsonl"))
+    ap.add_argument("--out", type=Path, default=Path("data/responses"))
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--num-prompts", type=int, default=8000)
+    ap.add_argument("--shard-size", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-running-requests", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine(model_path=args.model_path, dtype="bfloat16", max_running_requests=args.max_running_requests,
+                    max_total_tokens=args.max_running_requests * 1200)
+    generate_responses(engine, args.prompts, args.out, args.num_prompts, args.shard_size, args.max_new_tokens,
+                       window=2 * args.max_running_requests)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Training forward of a DFlash draft: ALL anchor blocks of a sequence in one pass.
+
+Keys are the context K/V of every position (from the target features) followed by the blocks'
+own K/V; a block-sparse mask lets block j see context positions < a_j and itself (both ways),
+never other blocks. Same math as inference, where context K/V comes from the paged cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sglang_dflash.models.dflash import DFlashDraftModel
+from sglang_dflash.models.rotary import apply_rotary
+
+
+def block_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
+    """[m*B, seq_len + m*B] bool, True = may attend."""
+    m = anchors.shape[0]
+    dev = anchors.device
+    q_block = torch.arange(m, device=dev).repeat_interleave(block)  # block of each query row
+    ctx = torch.arange(seq_len, device=dev)[None, :] < anchors[q_block][:, None]
+    k_block = torch.arange(m, device=dev).repeat_interleave(block)
+    own = q_block[:, None] == k_block[None, :]
+    return torch.cat([ctx, own], dim=1)
+
+
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block: int, mask_token_id: int):
+    """Block token ids [m, B] = [x_a, MASK...] and positions [m, B] = a..a+B-1."""
+    cols = torch.arange(block, device=anchors.device)
+    positions = anchors[:, None] + cols[None, :]
+    ids = torch.where(cols[None, :] == 0, input_ids[anchors][:, None], mask_token_id)
+    return ids, positions
+
+
+def draft_blocks_forward(
+    draft: DFlashDraftModel, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor, block: int
+) -> torch.Tensor:
+    """Final hidden states [m*B, H] (before the final norm) of every anchor block of one sequence."""
+    seq_len = features.shape[0]
+    ctx = draft.project_context(features)
+    ids, positions = block_inputs(input_ids, anchors, block, draft.config.mask_token_id)
+    h = draft.embed_tokens(ids.flatten()).to(ctx.dtype)
+    cos_ctx = draft.cos_sin_cache[:seq_len]
+    cos_blk = draft.cos_sin_cache.index_select(0, positions.flatten())
+    mask = block_mask(anchors, seq_len, block)
+    for layer in draft.layers:
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = apply_rotary(a.q_norm(a.q_proj(x).view(-1, a.nh, a.hd)), cos_blk)
+        kb = apply_rotary(a.k_norm(a.k_proj(x).view(-1, a.nkv, a.hd)), cos_blk)
+        kc = apply_rotary(a.k_norm(a.k_proj(ctx).view(-1, a.nkv, a.hd)), cos_ctx)
+        k = torch.cat([kc, kb]).transpose(0, 1)
+        v = torch.cat([a.v_proj(ctx), a.v_proj(x)]).view(-1, a.nkv, a.hd).transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, enable_gqa=a.nkv != a.nh
+        )
+        h = h + a.o_proj(o[0].transpose(0, 1).reshape(-1, a.nh * a.hd))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return h

@@ -1,0 +1,33 @@
+"""DFlash training loss: weighted cross-entropy over the B-1 predicted positions of each block."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(block: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1 (position 0 is the given token)."""
+    k = torch.arange(1, block, dtype=torch.float32, device=device)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def default_gamma(block: int) -> float:
+    """7 for B=16, 5 for B=10, 4 for B=8 (the published choices); interpolated otherwise."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block, max(1.0, math.log2(block) * 1.75))
+
+
+def block_labels(input_ids: torch.Tensor, anchors: torch.Tensor, block: int) -> torch.Tensor:
+    """[m, B-1] labels x_(a+1)..x_(a+B-1); -100 past the end of the sequence."""
+    pos = anchors[:, None] + torch.arange(1, block, device=anchors.device)[None, :]
+    valid = pos < input_ids.shape[0]
+    return torch.where(valid, input_ids[pos.clamp(max=input_ids.shape[0] - 1)], -100)
+
+
+def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """logits [m, B-1, V], labels [m, B-1] (-100 = ignore), weights [B-1] -> scalar."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none")
+    w = (weights[None, :] * (labels != -100)).flatten()
+    return (ce * w).sum() / w.sum().clamp_min(1e-6)

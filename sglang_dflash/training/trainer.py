@@ -1,0 +1,214 @@
+"""DFlash draft trainer: on-the-fly target features, many anchor blocks per sequence in one
+forward, weighted block loss, AdamW with warmup + cosine, checkpoints that resume exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from sglang_dflash.engine.model_runner import ModelRunner
+from sglang_dflash.models.dflash import DFlashDraftModel, random_draft_model
+from sglang_dflash.models.dflash_config import DFlashConfig, default_target_layer_ids
+from sglang_dflash.training.block_attention import draft_blocks_forward
+from sglang_dflash.training.draft_vocab import coverage, most_frequent_tokens, target_to_draft_index
+from sglang_dflash.training.features import target_features
+from sglang_dflash.training.loss import block_labels, default_gamma, position_weights, weighted_block_loss
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str
+    model_path: str | None = None
+    num_layers: int = 3
+    num_target_layers_used: int = 5
+    block_size: int = 16
+    mask_token_id: int = 16
+    anchors_per_seq: int = 32
+    max_len: int = 512
+    seqs_per_step: int = 4
+    total_steps: int = 2000
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    draft_vocab_size: int | None = 8192
+    ckpt_every: int = 100
+    eval_every: int = 100
+    dev_size: int = 24
+    seed: int = 0
+    autocast_bf16: bool = True
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.total_steps * cfg.warmup_frac))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.total_steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def sample_anchors(prompt_len: int, seq_len: int, count: int, gen: torch.Generator) -> torch.Tensor:
+    """Anchor positions a in [prompt_len, seq_len - 2]: the block [x_a, MASK...] predicts x_(a+1).."""
+    lo, hi = prompt_len, seq_len - 1
+    n = hi - lo
+    if n <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    pick = torch.randperm(n, generator=gen)[: min(count, n)]
+    return (lo + pick).sort().values
+
+
+class DFlashTrainer:
+    def __init__(self, cfg: TrainConfig, records: list[dict]):
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        tokens = cfg.seqs_per_step * cfg.max_len + 64
+        self.runner = ModelRunner(cfg.model_path, torch.device("cpu"), torch.bfloat16, tokens, cfg.seqs_per_step + 1)
+        tcfg = self.runner.model_config
+        rng = random.Random(cfg.seed)
+        records = [r for r in records if r["response_ids"]]
+        rng.shuffle(records)
+        self.dev = records[: cfg.dev_size]
+        self.train = records[cfg.dev_size :]
+        dcfg = DFlashConfig.for_target(tcfg, cfg.num_layers, cfg.block_size, cfg.mask_token_id)
+        dcfg.target_layer_ids = default_target_layer_ids(cfg.num_target_layers_used, tcfg.num_hidden_layers)
+        if cfg.draft_vocab_size:
+            responses = [r["response_ids"] for r in self.train]
+            dcfg.draft_vocab = most_frequent_tokens(responses, cfg.draft_vocab_size, always=tcfg.eos_token_ids)
+            self.vocab_coverage = coverage(responses, dcfg.draft_vocab)
+        self.draft: DFlashDraftModel = random_draft_model(dcfg, seed=cfg.seed)
+        with torch.no_grad():  # start the output norm at the target's, so initial logits have its scale
+            self.draft.norm.weight.copy_(self.runner.model.model.norm.weight.float())
+        self.draft.bind_target(self.runner.model.model.embed_tokens, self.runner.model.lm_head)
+        self.draft.prepare_inference(torch.device("cpu"))
+        head = self.runner.model.lm_head.weight
+        self.head = (head if dcfg.draft_vocab is None else head[torch.tensor(dcfg.draft_vocab)]).detach().float()
+        self.label_index = (
+            None if dcfg.draft_vocab is None else target_to_draft_index(dcfg.draft_vocab, tcfg.vocab_size)
+        )
+        self.weights = position_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.history: list[dict] = []
+        self.tokens_seen = 0
+
+    # ---- data ----
+    def sequence(self, rec: dict) -> tuple[list[int], int]:
+        ids = (rec["prompt_ids"] + rec["response_ids"])[: self.cfg.max_len]
+        return ids, min(len(rec["prompt_ids"]), len(ids))
+
+    def batch_at(self, step: int) -> list[dict]:
+        n = self.cfg.seqs_per_step
+        start = (step * n) % len(self.train)
+        return [self.train[(start + i) % len(self.train)] for i in range(n)]
+
+    # ---- one sequence ----
+    def sequence_loss(self, ids: list[int], prompt_len: int, feats: torch.Tensor, anchors: torch.Tensor):
+        block = self.cfg.block_size
+        input_ids = torch.tensor(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
+            h = draft_blocks_forward(self.draft, feats.float(), input_ids, anchors, block)
+            h = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:]
+            logits = F.linear(h, self.head.to(h.dtype))
+        labels = block_labels(input_ids, anchors, block)
+        if self.label_index is not None:
+            labels = torch.where(labels >= 0, self.label_index[labels.clamp_min(0)], -100)
+        return weighted_block_loss(logits, labels, self.weights), logits, labels
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        recs = self.batch_at(self.step)
+        seqs = [self.sequence(r) for r in recs]
+        feats = target_features(self.runner, [s for s, _ in seqs], tuple(self.draft.config.target_layer_ids))
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.step, cfg)
+        self.opt.zero_grad(set_to_none=True)
+        total, count = 0.0, 0
+        for (ids, plen), f in zip(seqs, feats):
+            anchors = sample_anchors(plen, len(ids), cfg.anchors_per_seq, self.gen)
+            if len(anchors) == 0:
+                continue
+            loss, _, _ = self.sequence_loss(ids, plen, f.clone(), anchors)
+            (loss / len(seqs)).backward()
+            total += loss.item()
+            count += 1
+            self.tokens_seen += len(ids)
+        norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        lr = lr_at(self.step - 1, cfg)
+        return {"step": self.step, "loss": total / max(count, 1), "grad_norm": float(norm), "lr": lr}
+
+    # ---- evaluation: teacher-forced acceptance on held-out greedy responses ----
+    @torch.no_grad()
+    def eval_tau(self) -> float:
+        """Mean committed tokens per block (accepted drafts + 1) when drafting greedily along the
+        dev responses; equals greedy tau on the target's own greedy outputs."""
+        taus = []
+        greedy = [r for r in self.dev if r["sampling"].get("temperature", 1.0) == 0] or self.dev
+        seqs = [self.sequence(r) for r in greedy]
+        for start in range(0, len(seqs), self.cfg.seqs_per_step):
+            chunk = seqs[start : start + self.cfg.seqs_per_step]
+            feats = target_features(self.runner, [s for s, _ in chunk], tuple(self.draft.config.target_layer_ids))
+            for (ids, plen), f in zip(chunk, feats):
+                anchors = torch.arange(plen, len(ids) - 1)
+                if len(anchors) == 0:
+                    continue
+                _, logits, labels = self.sequence_loss(ids, plen, f, anchors)
+                hits = (logits.argmax(-1) == labels) & (labels >= 0)
+                run = hits.long().cumprod(1).sum(1)
+                taus.append(float((run + 1).float().mean()))
+        return sum(taus) / max(len(taus), 1)
+
+    # ---- checkpoints ----
+    def save(self, tag: str = "latest") -> Path:
+        path = self.out / tag
+        self.draft.save_pretrained(path)
+        state = {"step": self.step, "opt": self.opt.state_dict(), "gen": self.gen.get_state(),
+                 "torch_rng": torch.get_rng_state(), "history": self.history, "tokens_seen": self.tokens_seen,
+                 "config": asdict(self.cfg)}
+        torch.save(state, path / "train_state.pt")
+        return path
+
+    def resume(self, path: Path) -> None:
+        state = torch.load(path / "train_state.pt", weights_only=False)
+        self.draft.load_weights(load_file(str(path / "model.safetensors")))
+        self.draft.prepare_inference(torch.device("cpu"))
+        self.opt.load_state_dict(state["opt"])
+        self.gen.set_state(state["gen"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.history, self.tokens_seen = state["step"], state["history"], state["tokens_seen"]
+
+    def run(self, max_steps: int | None = None, log_path: Path | None = None) -> None:
+        cfg = self.cfg
+        end = min(cfg.total_steps, self.step + max_steps) if max_steps else cfg.total_steps
+        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
+        t0, tok0 = time.perf_counter(), self.tokens_seen
+        while self.step < end:
+            stats = self.train_step()
+            bar.update(1)
+            rate = (self.tokens_seen - tok0) / (time.perf_counter() - t0)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{rate:.0f}")
+            if self.step % cfg.eval_every == 0 or self.step == end:
+                stats["dev_tau"] = self.eval_tau()
+                stats["tokens_seen"] = self.tokens_seen
+                self.history.append(stats)
+                if log_path:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(stats) + "\n")
+            if self.step % cfg.ckpt_every == 0 or self.step == end:
+                self.save()
+        bar.close()
