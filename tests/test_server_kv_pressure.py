@@ -1,0 +1,36 @@
+"""KV pressure: with a KV pool too small for all requests at once, the newest running request is retracted
+and recomputed later; every request still completes with the same output as when sent alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+from server_helpers import KV_PRESSURE_TOKENS, MAX_TOKENS, PROMPTS, alone_outputs, shared_server
+
+NUM_REQUESTS = 8
+
+
+async def concurrent_chats(prompts: list[str]) -> list:
+    client = shared_server("kv_pressure").async_client()
+    calls = [
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        for p in prompts
+    ]
+    return await asyncio.gather(*calls)
+
+
+def test_retraction_under_kv_pressure_keeps_outputs() -> None:
+    alone = alone_outputs()
+    server = shared_server("kv_pressure")
+    prompts = PROMPTS[:NUM_REQUESTS]
+    outs = asyncio.run(concurrent_chats(prompts))
+    for prompt, out in zip(prompts, outs):
+        assert out.choices[0].finish_reason == "length"
+        assert out.choices[0].message.content == alone[prompt], prompt
+    info = server.wait_idle()
+    assert info["max_total_num_tokens"] == KV_PRESSURE_TOKENS
+    assert info["num_retractions"] > 0
+    assert info["available_kv_tokens"] == KV_PRESSURE_TOKENS
