@@ -125,15 +125,28 @@ class ScheduleBatch:
     forward_mode: ForwardMode
     prefix_lens: list[int] = field(default_factory=list)  # EXTEND: cached tokens per request
     extend_lens: list[int] = field(default_factory=list)  # EXTEND: new tokens per request
+    # Snapshots taken when the batch is scheduled: with overlap, the host goes on to process the previous
+    # batch (and may release its finished requests) while this one is still waiting for the device.
+    req_pool_indices: list[int] = field(init=False)
+    kv_bound: int = field(init=False)  # max slots allocated to a request: bounds every sequence length
+    input_ids: list[int] = field(init=False)  # EXTEND: the new tokens, flat
+    sample_rows: list[int] = field(init=False)  # requests that get a next token from this step
+
+    def __post_init__(self) -> None:
+        self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
+        self.kv_bound = max((r.kv_allocated_len for r in self.reqs), default=0)
+        self.input_ids = []
+        if not self.forward_mode.is_extend():
+            self.sample_rows = list(range(len(self.reqs)))
+            return
+        self.sample_rows = []
+        for i, (r, p, e) in enumerate(zip(self.reqs, self.prefix_lens, self.extend_lens)):
+            self.input_ids.extend(r.fill_ids[p : p + e])
+            if p + e == r.seq_len:
+                self.sample_rows.append(i)
 
     def batch_size(self) -> int:
         return len(self.reqs)
-
-    def extend_input_ids(self) -> list[int]:
-        ids: list[int] = []
-        for r, p, e in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            ids.extend(r.fill_ids[p : p + e])
-        return ids
 
 
 @dataclass

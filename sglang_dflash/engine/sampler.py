@@ -9,6 +9,8 @@ import torch
 
 from sglang_dflash.engine.sampling_params import SamplingParams
 
+FAST_K = 256  # candidates examined before falling back to a full sort
+
 
 @dataclass
 class SamplingBatchInfo:
@@ -50,6 +52,11 @@ class SamplingBatchInfo:
             need_min_p=any(p.min_p > 0 for p in params),
         )
 
+    def select(self, rows: torch.Tensor) -> SamplingBatchInfo:
+        """The info of a subset of rows."""
+        fields = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return SamplingBatchInfo(**fields)
+
     def expand(self, repeats: torch.Tensor) -> SamplingBatchInfo:
         """Per-request info -> per-row info, request i repeated repeats[i] times."""
         fields = {}
@@ -71,22 +78,33 @@ def apply_penalties(
 
 
 def logits_to_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Temperature, softmax, then top-k, top-p and min-p masks on the sorted probs, renormalised."""
+    """Temperature, softmax, then top-k, top-p and min-p masks on the sorted probs, renormalised.
+
+    Exact fast path: the filters are evaluated on the top FAST_K tokens of each row, which decides
+    every row whose kept set provably ends inside them; only the other rows are fully sorted."""
     probs = torch.softmax(logits.float() / info.temperatures[:, None], dim=-1)
     if not (info.need_top_k or info.need_top_p or info.need_min_p):
         return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if info.need_top_k:
-        ranks = torch.arange(probs.shape[-1], device=probs.device)
-        keep &= ranks[None, :] < info.top_ks[:, None]
-    if info.need_top_p:
-        keep &= (sorted_probs.cumsum(-1) - sorted_probs) <= info.top_ps[:, None]
-    if info.need_min_p:
-        keep &= sorted_probs >= sorted_probs[:, :1] * info.min_ps[:, None]
-    sorted_probs = sorted_probs * keep
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs / probs.sum(-1, keepdim=True)
+    k = min(FAST_K, probs.shape[-1])
+    top, order = probs.topk(k, dim=-1)
+    keep = _filter_sorted(top, info)
+    # a token past rank k survives only if the top-k filter, top-p mass and min-p bound all let it
+    spill = (info.top_ks > k) & (top.sum(-1) <= info.top_ps) & (top[:, -1] >= top[:, 0] * info.min_ps)
+    out = torch.zeros_like(probs).scatter_(-1, order, top * keep)
+    rows = spill.nonzero().squeeze(1) if k < probs.shape[-1] else spill.new_zeros(0, dtype=torch.int64)
+    if rows.numel():
+        sorted_probs, full_order = probs[rows].sort(dim=-1, descending=True)
+        sub = _filter_sorted(sorted_probs, info.select(rows))
+        out[rows] = torch.zeros_like(sorted_probs).scatter_(-1, full_order, sorted_probs * sub)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _filter_sorted(sorted_probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Keep-mask over probs sorted in descending order (ranks within the row)."""
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    keep = ranks[None, :] < info.top_ks[:, None]
+    keep &= (sorted_probs.cumsum(-1) - sorted_probs) <= info.top_ps[:, None]
+    return keep & (sorted_probs >= sorted_probs[:, :1] * info.min_ps[:, None])
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -104,12 +122,13 @@ def draw_uniforms(generators: list[torch.Generator], per_req: int, device: torch
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor) -> torch.Tensor:
-    """Next token per row (penalties already applied to logits)."""
+    """Next token per row (penalties already applied to logits); only sampled rows build a distribution."""
     greedy_ids = logits.argmax(-1)
     if info.all_greedy:
         return greedy_ids
-    sampled = sample_from_probs(logits_to_probs(logits, info), uniforms)
-    return torch.where(info.greedy, greedy_ids, sampled)
+    rows = (~info.greedy).nonzero().squeeze(1)
+    sampled = sample_from_probs(logits_to_probs(logits[rows], info.select(rows)), uniforms[rows])
+    return greedy_ids.index_copy(0, rows, sampled)
 
 
 def penalty_state(

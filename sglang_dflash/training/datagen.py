@@ -80,7 +80,8 @@ def generate_responses(
                           "finish": req.finished_reason["type"], "sampling": params})
             tokens += len(req.output_ids)
             bar.update(1)
-            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        live_tokens = sum(len(v[3].output_ids) for v in live.values())
+        bar.set_postfix(tok_s=f"{(tokens + live_tokens) / (time.perf_counter() - t0):.0f}", refresh=False)
     bar.close()
     manifest = {"prompts": str(prompts_path), "num_prompts": len(prompts), "shard_size": shard_size,
                 "max_new_tokens": max_new_tokens}

@@ -49,6 +49,44 @@ def default_drafter_path(model_path: str | None) -> Path:
     return DEFAULT_DRAFTER
 
 
+def propose_block(
+    draft: DFlashDraftModel, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+    rpi: torch.Tensor, bonus: torch.Tensor, prefix: torch.Tensor, block_lens: torch.Tensor, block: int, kv_bound: int,
+) -> torch.Tensor:
+    """Draft tokens [bs, block-1] from one draft forward over the padded blocks [bonus, MASK, ...].
+
+    `req_to_token[rpi]` rows hold each request's context slots followed by its block slots; the draft
+    K/V cache (`k_buffer`/`v_buffer`) is indexed by the same slots. Padded rows write into slot 0."""
+    bs = rpi.shape[0]
+    device = bonus.device
+    cols = torch.arange(block, device=device)
+    positions = prefix[:, None] + cols[None, :]
+    input_ids = torch.where(cols[None, :] == 0, bonus[:, None], draft.config.mask_token_id)
+    in_block = cols[None, :] < block_lens[:, None]
+    slots = req_to_token[rpi[:, None], positions.clamp(max=req_to_token.shape[1] - 1)].long()
+    out_cache_loc = torch.where(in_block, slots, 0)
+    kv_indices = req_to_token[rpi, :kv_bound].long()
+    hidden = draft(
+        input_ids.flatten(), positions.flatten(), out_cache_loc.flatten(), kv_indices, prefix + block_lens, block,
+        k_buffer, v_buffer,
+    )
+    if block == 1:
+        return torch.empty(bs, 0, dtype=torch.int64, device=device)
+    logits = draft.compute_logits(hidden.view(bs, block, -1)[:, 1:].reshape(bs * (block - 1), -1))
+    return draft.map_draft_tokens(logits.argmax(-1)).view(bs, block - 1)
+
+
+def block_target_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Verify logits [bs, B, V] (penalties applied) -> the target distribution of every row, as the plain
+    sampler defines it (temperature, top-k, top-p, min-p); greedy requests get one-hot argmax rows."""
+    bs, block, vocab = logits.shape
+    flat = logits.reshape(bs * block, vocab)
+    row_info = info.expand(torch.full((bs,), block, device=logits.device))
+    probs = logits_to_probs(flat, row_info)
+    probs = torch.where(row_info.greedy[:, None], F.one_hot(flat.argmax(-1), vocab).to(probs.dtype), probs)
+    return probs.view(bs, block, vocab)
+
+
 @dataclass
 class VerifyInput:
     """Padded [bs, B] view of a decode step: candidates = [bonus, d1, ...] per request."""
@@ -127,7 +165,7 @@ class DFlashWorker:
         """Draft, verify, accept, materialise, publish: no host sync (inputs come from the FutureMap)."""
         reqs = batch.reqs
         blocks = [self.block_size_of(r) for r in reqs]
-        kv_bound = max(r.kv_allocated_len for r in reqs)  # >= committed + block for every request
+        kv_bound = batch.kv_bound  # >= committed + block for every request
         rpi = self.target.req_pool_indices(batch)
         bonus, prefix = self.target.future_map.read(rpi)
         block_lens = torch.tensor(blocks, dtype=torch.int64, device=self.device)
@@ -147,23 +185,10 @@ class DFlashWorker:
         self, rpi: torch.Tensor, bonus: torch.Tensor, prefix: torch.Tensor, block_lens: torch.Tensor, block: int,
         kv_bound: int,
     ) -> torch.Tensor:
-        """Draft tokens [bs, block-1] from one draft forward over the padded blocks."""
-        bs = rpi.shape[0]
-        cols = torch.arange(block, device=self.device)
-        positions = prefix[:, None] + cols[None, :]
-        input_ids = torch.where(cols[None, :] == 0, bonus[:, None], self.draft.config.mask_token_id)
-        in_block = cols[None, :] < block_lens[:, None]
-        slots = self.req_to_token[rpi[:, None], positions.clamp(max=self.req_to_token.shape[1] - 1)]
-        out_cache_loc = torch.where(in_block, slots, 0)  # padded rows write into the padding slot 0
-        kv_indices = self.req_to_token[rpi, :kv_bound]
-        hidden = self.draft(
-            input_ids.flatten(), positions.flatten(), out_cache_loc.flatten(), kv_indices, prefix + block_lens, block,
-            self.draft_pool.k_buffer, self.draft_pool.v_buffer,
+        return propose_block(
+            self.draft, self.draft_pool.k_buffer, self.draft_pool.v_buffer, self.req_to_token, rpi, bonus, prefix,
+            block_lens, block, kv_bound,
         )
-        if block == 1:
-            return torch.empty(bs, 0, dtype=torch.int64, device=self.device)
-        logits = self.draft.compute_logits(hidden.view(bs, block, -1)[:, 1:].reshape(bs * (block - 1), -1))
-        return self.draft.map_draft_tokens(logits.argmax(-1)).view(bs, block - 1)
 
     def verify(
         self, rpi: torch.Tensor, prefix: torch.Tensor, vin: VerifyInput, kv_bound: int
@@ -190,14 +215,9 @@ class DFlashWorker:
             flat = self.penalised(reqs, vin, flat, info)
         if info.all_greedy:
             return greedy_accept(vin.candidates, flat.argmax(-1).view(bs, block), vin.block_lens)
-        row_info = info.expand(torch.full((bs,), block, device=self.device))
-        probs = logits_to_probs(flat, row_info)
-        greedy_rows = row_info.greedy[:, None]
-        probs = torch.where(greedy_rows, F.one_hot(flat.argmax(-1), vocab).to(probs.dtype), probs)
+        probs = block_target_probs(flat.view(bs, block, vocab), info)
         uniforms = draw_uniforms([r.generator for r in reqs], block + 1, self.device)
-        return sampling_accept(
-            probs.view(bs, block, vocab), vin.candidates, None, vin.block_lens, uniforms[:, :block], uniforms[:, block]
-        )
+        return sampling_accept(probs, vin.candidates, None, vin.block_lens, uniforms[:, :block], uniforms[:, block])
 
     def penalised(self, reqs: list[Req], vin: VerifyInput, flat: torch.Tensor, info: SamplingBatchInfo):
         bs, block = vin.candidates.shape

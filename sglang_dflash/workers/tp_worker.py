@@ -41,11 +41,11 @@ class TpModelWorker:
         return self.model_runner.forward(fb)
 
     def req_pool_indices(self, batch: ScheduleBatch) -> torch.Tensor:
-        return torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=torch.int64, device=self.device)
+        return torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
 
     def build_extend_batch(self, batch: ScheduleBatch, capture_layer_ids: tuple[int, ...] | None = None):
         return ForwardBatch.build(
-            ForwardMode.EXTEND, batch.extend_input_ids(), [r.req_pool_idx for r in batch.reqs], batch.prefix_lens,
+            ForwardMode.EXTEND, batch.input_ids, batch.req_pool_indices, batch.prefix_lens,
             batch.extend_lens, self.model_runner.req_to_token_pool.req_to_token, self.device,
             capture_layer_ids=capture_layer_ids,
         )
@@ -58,7 +58,7 @@ class TpModelWorker:
         input_ids, prefix = self.future_map.read(rpi)
         fb = ForwardBatch.build_from_device(
             ForwardMode.DECODE, input_ids, rpi, prefix, [1] * len(batch.reqs),
-            max(r.kv_allocated_len for r in batch.reqs), self.model_runner.req_to_token_pool.req_to_token,
+            batch.kv_bound, self.model_runner.req_to_token_pool.req_to_token,
         )
         next_ids = self.sample(batch.reqs, self.forward(fb).next_token_logits)
         self.future_map.publish(rpi, next_ids, fb.seq_lens)
@@ -67,7 +67,7 @@ class TpModelWorker:
     def finish_extend(self, batch: ScheduleBatch, fb: ForwardBatch, logits: torch.Tensor) -> GenerationBatchResult:
         """Samples the first token of every request whose prefill completes; publishes it."""
         out = torch.full((len(batch.reqs), 1), -1, dtype=torch.int64, device=self.device)
-        rows = rows_to_sample(batch)
+        rows = batch.sample_rows
         if rows:
             idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
             ids = self.sample([batch.reqs[i] for i in rows], logits[idx])
@@ -86,11 +86,3 @@ class TpModelWorker:
         uniforms = None if info.all_greedy else draw_uniforms([r.generator for r in reqs], 1, self.device)[:, 0]
         return sample(logits, info, uniforms)
 
-
-def rows_to_sample(batch: ScheduleBatch) -> list[int]:
-    """Requests that get a next token: all in decode; in prefill, those whose chunk ends fill_ids."""
-    if not batch.forward_mode.is_extend():
-        return list(range(len(batch.reqs)))
-    return [
-        i for i, (r, p, e) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)) if p + e == r.seq_len
-    ]

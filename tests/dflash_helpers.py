@@ -1,0 +1,199 @@
+"""Shared helpers for the DFlash tests and the speculative benchmark: prompts, cached engines and AR
+references, an oracle drafter with a controllable error rate, and tiny random target / draft checkpoints."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import random
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from sglang_dflash.scheduler.schedule_batch import Req
+
+from sglang_dflash import Engine
+from sglang_dflash.models.config import ModelConfig
+from sglang_dflash.models.dflash import random_draft_model
+from sglang_dflash.models.dflash_config import DFlashConfig
+from sglang_dflash.models.model_store import resolve_model_dir
+from sglang_dflash.workers.dflash_worker import DFlashWorker
+
+CHAT_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash map works and when to use one.",
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "What are the main causes of the seasons on Earth?",
+    "Give me a recipe for a simple tomato soup.",
+    "Describe the water cycle to a ten year old.",
+    "List five tips for writing clear technical documentation.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn, then explain the imagery.",
+    "How do vaccines train the immune system?",
+    "Summarise the plot of Romeo and Juliet in a few sentences.",
+    "Explain what recursion is, with a small example in JavaScript.",
+]
+SMALL_POOL = 8192  # KV slots per test engine: ample for 12 x (prompt + 128 + 2 blocks), and light on memory
+
+
+@functools.cache
+def ar_engine() -> Engine:
+    """The default SmolLM2-135M target in fp32, plain autoregressive, shared by every DFlash test module."""
+    return Engine(dtype="float32", max_total_tokens=SMALL_POOL)
+
+
+def chat_ids(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    return [engine.tokenizer_manager.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+
+
+_AR_CACHE: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+
+def ar_reference(ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy fp32 AR continuations (ignore_eos) of each prompt, computed once per session, in one batch."""
+    missing = [p for p in ids if (tuple(p), max_new_tokens) not in _AR_CACHE]
+    if missing:
+        params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        for p, o in zip(missing, ar_engine().generate(input_ids=missing, sampling_params=params)):
+            _AR_CACHE[tuple(p), max_new_tokens] = o["output_ids"]
+    return [_AR_CACHE[tuple(p), max_new_tokens] for p in ids]
+
+
+def default_target_config() -> ModelConfig:
+    return ModelConfig.load(resolve_model_dir(None))
+
+
+def save_random_drafter(
+    path: Path, target: ModelConfig, num_layers: int = 2, block_size: int = 16, mask_token_id: int = 0,
+    seed: int = 0,
+) -> Path:
+    cfg = DFlashConfig.for_target(target, num_layers, block_size, mask_token_id)
+    random_draft_model(cfg, seed).save_pretrained(path)
+    return path
+
+
+_DRAFTER_DIR = tempfile.TemporaryDirectory(prefix="dflash-test-drafter-")
+
+
+@functools.cache
+def random_drafter_path() -> Path:
+    """A random 2-layer, block-16 drafter for the default target (mask token 0), written once per session."""
+    return save_random_drafter(Path(_DRAFTER_DIR.name) / "random", default_target_config())
+
+
+@functools.cache
+def dflash_engine(dtype: str = "float32", block: int | None = None) -> Engine:
+    """The default target with the random drafter; `block` is the engine-level block size (None: 16)."""
+    return Engine(
+        dtype=dtype, max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH",
+        speculative_draft_model_path=str(random_drafter_path()), speculative_num_draft_tokens=block,
+    )
+
+
+class OracleDrafter:
+    """Proposes the true AR continuation of each request, each token corrupted with probability
+    `error_rate` (seeded). Installed in place of `DFlashWorker.propose`; `run_draft` still runs the real
+    draft forward first (its tokens discarded), so step timings include the drafter's cost."""
+
+    def __init__(
+        self, prompts: list[list[int]], continuations: list[list[int]], vocab_size: int, error_rate: float = 0.0,
+        seed: int = 0, run_draft: bool = False,
+    ):
+        self.references = {tuple(p): list(c) for p, c in zip(prompts, continuations)}
+        self.vocab_size = vocab_size
+        self.error_rate = error_rate
+        self.rng = random.Random(seed)
+        self.run_draft = run_draft
+
+    def proposals(self, req: Req, committed: int, width: int) -> list[int]:
+        """Tokens for positions committed+1 .. committed+width (the bonus sits at position `committed`)."""
+        ref = self.references[tuple(req.origin_input_ids)]
+        start = committed + 1 - len(req.origin_input_ids)  # output index of the first draft
+        out = []
+        for pos in range(start, start + width):
+            token = ref[pos] if pos < len(ref) else 0
+            if self.rng.random() < self.error_rate:
+                token = (token + self.rng.randrange(1, self.vocab_size)) % self.vocab_size
+            out.append(token)
+        return out
+
+    @contextmanager
+    def installed(self, worker: DFlashWorker) -> Iterator[OracleDrafter]:
+        """Replaces the worker's draft step. The committed lengths come from the step's device inputs (the
+        host's view of a request may lag one step behind under overlap scheduling)."""
+        propose, forward_decode = worker.propose, worker.forward_decode
+        signature = inspect.signature(propose)
+        batch_reqs: list[Req] = []
+
+        def capture_reqs(batch):
+            batch_reqs[:] = batch.reqs
+            return forward_decode(batch)
+
+        def oracle_propose(*args, **kwargs):
+            if self.run_draft:
+                propose(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            width = bound["block"] - 1
+            rows = [self.proposals(r, p, width) for r, p in zip(batch_reqs, bound["prefix"].tolist())]
+            return torch.tensor(rows, dtype=torch.int64).view(len(rows), width).to(bound["bonus"].device)
+
+        worker.propose, worker.forward_decode = oracle_propose, capture_reqs
+        try:
+            yield self
+        finally:
+            del worker.propose, worker.forward_decode
+
+
+# ---- tiny random checkpoints (for sampling tests and checkpoint tests) ----
+TINY_VOCAB = 32
+
+
+def tiny_target_config(vocab_size: int = TINY_VOCAB, hidden: int = 32, layers: int = 2) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_ids=[vocab_size - 1],
+    )
+
+
+def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF Llama weight names and shapes (untied lm_head, no biases)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+    return shapes
+
+
+def save_tiny_target(path: Path, cfg: ModelConfig, seed: int = 0, std: float = 0.5) -> Path:
+    """config.json + model.safetensors (random, wide weights so the distributions are far from uniform)
+    + a WordLevel tokenizer with one word per token id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * std
+        for name, shape in hf_weight_shapes(cfg).items()
+    }
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token=f"w{cfg.vocab_size - 1}")
+    fast.save_pretrained(str(path))
+    return path

@@ -1,0 +1,170 @@
+"""Sampling losslessness: on a tiny random target, the first 3 tokens sampled with DFLASH follow the exact
+AR distribution (enumerated from the target's probabilities with the sampler's transforms); AR sampling
+passes the same chi-square test, and deliberately wrong accept rules fail it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dflash_helpers import save_tiny_target, tiny_target_config
+from safetensors.torch import load_file
+
+import sglang_dflash.workers.dflash_worker as dflash_worker
+from sglang_dflash import Engine
+from sglang_dflash.engine.sampler import SamplingBatchInfo, logits_to_probs, sample_from_probs
+from sglang_dflash.engine.sampling_params import SamplingParams
+from sglang_dflash.models.dflash import random_draft_model
+from sglang_dflash.models.dflash_config import DFlashConfig
+
+VOCAB = 12
+PROMPT = [1, 2, 3]
+NUM_SAMPLES = 2000
+BLOCK = 4
+P_VALUE_PASS = 1e-3  # seeds are fixed, so every run is deterministic: no flakes, just a bound
+P_VALUE_FAIL = 1e-8
+SETTINGS = {
+    "T1": {"temperature": 1.0},
+    "T0.7-topp0.9-topk5": {"temperature": 0.7, "top_p": 0.9, "top_k": 5},
+}
+
+
+def exact_distribution(target_dir: Path, params: dict) -> torch.Tensor:
+    """P(t1, t2, t3) [V, V, V] from HF transformers' Llama on the same checkpoint (an independent forward),
+    with the sampler's own temperature / top-k / top-p transform."""
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # every (t1, t2)
+    seqs = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = model(seqs).logits[:, len(PROMPT) - 1 :].reshape(-1, VOCAB)  # rows predict t1, t2, t3
+    info = SamplingBatchInfo.from_params([SamplingParams.from_dict(params)], VOCAB, torch.device("cpu"))
+    probs = logits_to_probs(logits, info.expand(torch.tensor([len(logits)]))).view(VOCAB, VOCAB, 3, VOCAB)
+    p1 = probs[0, 0, 0]  # t1 depends on the prompt only
+    p2 = probs[:, 0, 1]  # [t1, t2]
+    p3 = probs[:, :, 2]  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def likely_mask_token(target_dir: Path, exact: torch.Tensor) -> int:
+    """A near-zero random drafter outputs about its input embedding, so it proposes argmax(lm_head(norm(
+    embed[MASK]))) whatever the context. Pick the MASK whose proposal is the likeliest second token, so that
+    drafts are accepted often enough to exercise the accept path as well as the rejection path."""
+    weights = load_file(str(target_dir / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    proposal = (F.rms_norm(embed, (embed.shape[1],)) @ weights["lm_head.weight"].T).argmax(-1)
+    return int(exact.sum(dim=(0, 2))[proposal].argmax())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny")
+    cfg = tiny_target_config(VOCAB)
+    save_tiny_target(root / "target", cfg, seed=0, std=0.25)
+    mask = likely_mask_token(root / "target", exact_distribution(root / "target", SETTINGS["T1"]))
+    draft = random_draft_model(DFlashConfig.for_target(cfg, 1, BLOCK, mask_token_id=mask), seed=0, std=0.02)
+    draft.save_pretrained(root / "draft")
+    return root
+
+
+def engine_kwargs(tiny_dir: Path) -> dict:
+    return dict(
+        model_path=str(tiny_dir / "target"), dtype="float32", max_running_requests=NUM_SAMPLES,
+        max_total_tokens=NUM_SAMPLES * 16, chunked_prefill_size=NUM_SAMPLES * len(PROMPT),
+    )
+
+
+@pytest.fixture(scope="module")
+def ar(tiny_dir: Path) -> Engine:
+    return Engine(**engine_kwargs(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def dflash(tiny_dir: Path) -> Engine:
+    return Engine(**engine_kwargs(tiny_dir), speculative_algorithm="DFLASH",
+                  speculative_draft_model_path=str(tiny_dir / "draft"))
+
+
+def chi_square_p_value(samples: list[tuple[int, ...]], exact: torch.Tensor) -> float:
+    """Goodness of fit of the sampled 3-token sequences; outcomes expected < 5 times are pooled."""
+    counts = Counter(samples)
+    flat = exact.flatten().double()
+    observed = torch.zeros_like(flat)
+    for (a, b, c), n in counts.items():
+        observed[(a * VOCAB + b) * VOCAB + c] = n
+    expected = flat * len(samples)
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    if (obs[~keep] > 0).any():
+        return 0.0  # an impossible sequence was sampled
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
+
+
+def sample_sequences(engine: Engine, params: dict) -> tuple[list[tuple[int, ...]], list[dict]]:
+    sp = [dict(params, max_new_tokens=3, seed=i, ignore_eos=True) for i in range(NUM_SAMPLES)]
+    outs = engine.generate(input_ids=[PROMPT] * NUM_SAMPLES, sampling_params=sp)
+    assert all(len(o["output_ids"]) == 3 for o in outs)
+    return [tuple(o["output_ids"]) for o in outs], [o["meta_info"] for o in outs]
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS), ids=list(SETTINGS))
+def setting(request: pytest.FixtureRequest, tiny_dir: Path) -> tuple[dict, torch.Tensor]:
+    params = SETTINGS[request.param]
+    return params, exact_distribution(tiny_dir / "target", params)
+
+
+def test_ar_sampling_matches_exact(ar: Engine, setting):
+    params, exact = setting
+    samples, _ = sample_sequences(ar, params)
+    assert chi_square_p_value(samples, exact) > P_VALUE_PASS
+
+
+def test_dflash_sampling_matches_exact(dflash: Engine, setting):
+    params, exact = setting
+    samples, metas = sample_sequences(dflash, params)
+    hist = [sum(h) for h in zip(*(m["spec_accept_histogram"] for m in metas))]
+    # both outcomes are well exercised: steps that reject at some slot and steps that accept drafts
+    assert sum(hist[:-1]) > 0.1 * sum(hist) and sum(hist[1:]) > 0.1 * sum(hist), hist
+    assert chi_square_p_value(samples, exact) > P_VALUE_PASS
+
+
+def accept_everything(real):
+    """Wrong rule: every draft the target gives nonzero probability is accepted (uniforms forced to 0)."""
+
+    def wrong(target_probs, candidates, draft_probs, block_lens, uniforms, residual_uniforms):
+        return real(target_probs, candidates, draft_probs, block_lens, torch.zeros_like(uniforms), residual_uniforms)
+
+    return wrong
+
+
+def no_residual(real):
+    """Wrong rule: correct acceptance, but after a rejection the bonus is drawn from p itself, not from p
+    with the rejected draft removed."""
+
+    def wrong(target_probs, candidates, draft_probs, block_lens, uniforms, residual_uniforms):
+        accept_lens, _, out = real(target_probs, candidates, draft_probs, block_lens, uniforms, residual_uniforms)
+        rows = torch.arange(len(accept_lens))
+        bonus = sample_from_probs(target_probs[rows, accept_lens], residual_uniforms)
+        out = out.clone()
+        out[rows, accept_lens] = bonus
+        return accept_lens, bonus, out
+
+    return wrong
+
+
+@pytest.mark.parametrize("rule", [accept_everything, no_residual])
+def test_wrong_accept_rule_fails(dflash: Engine, setting, rule, monkeypatch: pytest.MonkeyPatch):
+    params, exact = setting
+    monkeypatch.setattr(dflash_worker, "sampling_accept", rule(dflash_worker.sampling_accept))
+    samples, _ = sample_sequences(dflash, params)
+    assert chi_square_p_value(samples, exact) < P_VALUE_FAIL
