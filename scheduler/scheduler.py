@@ -204,8 +204,10 @@ class Scheduler:
         if batch is None:
             return self.finished_by_error
         self.launched += 1
-        result = self.worker.forward_batch_generation(batch)
-        self.completed += 1
+        try:
+            result = self.worker.forward_batch_generation(batch)
+        finally:  # a failed batch is over too: its requests' memory may be freed
+            self.completed += 1
         return self.finished_by_error + self.process_batch_result(batch, result)
 
     def step_overlap(self) -> list[Req]:
@@ -218,13 +220,24 @@ class Scheduler:
             self.launched += 1
             launched = (batch, self.executor.submit(self.worker.forward_batch_generation, batch))
         touched = list(self.finished_by_error)
-        if self.in_flight is not None:
-            prev_batch, fut = self.in_flight
-            result = fut.result()
-            self.completed += 1
+        prev, self.in_flight = self.in_flight, launched
+        if prev is not None:
+            prev_batch, fut = prev
+            try:
+                result = fut.result()
+            finally:
+                self.completed += 1
             touched += self.process_batch_result(prev_batch, result)
-        self.in_flight = launched
         return touched
+
+    def drain(self) -> None:
+        """Waits for the batch in flight and drops its results (after its requests were aborted)."""
+        if self.in_flight is not None:
+            _, fut = self.in_flight
+            self.in_flight = None
+            fut.exception()  # waits; an error of an aborted batch is moot
+            self.completed += 1
+        self.free_completed()
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> list[Req]:
         tokens_per_req, accept_lens = result.resolve()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from sglang_dflash.engine.forward_batch import ForwardBatch
 
-# Up to this many query tokens per request, two GEMMs + softmax beat CPU SDPA (up to 15x in bf16).
+# Up to this many query tokens per request, two small GEMMs + softmax beat CPU SDPA (up to 15x in bf16).
 SMALL_Q = 64
 
 
@@ -81,15 +81,19 @@ class TorchNativeAttnBackend:
 def _gemm_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [bs, Q, nH, hd], k/v [bs, nKV, L, hd], bias [bs, 1, Q, L] -> [bs, Q, nH, hd]. The query heads
-    that share a KV head are stacked on the row dim, so K/V are never repeated."""
+    """q [bs, Q, nH, hd], k/v [bs, nKV, L, hd], bias [bs, 1, Q, L] -> [bs, Q, nH, hd] (as a view whose
+    reshape to [bs * Q, nH * hd] is right). Query heads sharing a KV head are stacked on the row dim, so
+    K/V are never repeated. The math runs in float32: tiny bf16 GEMMs cost ~3x more on CPU."""
     bs, nq, nh, hd = q.shape
     nkv, g = k.shape[1], nh // k.shape[1]
-    qg = q.view(bs, nq, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(bs, nkv, g * nq, hd)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(bs, nkv, g, nq, -1)
+    if nq == 1:  # decode: the head split is a plain view
+        qg = q.view(bs, nkv, g, hd)
+    else:
+        qg = q.view(bs, nq, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(bs, nkv, g * nq, hd)
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)).view(bs, nkv, g, nq, -1)
     probs = torch.add(bias[:, :, None], scores, alpha=scale).softmax(-1)
-    out = torch.matmul(probs.view(bs, nkv, g * nq, -1), v)  # [bs, nKV, g * Q, hd]
-    return out.view(bs, nkv, g, nq, hd).permute(0, 3, 1, 2, 4)
+    out = torch.matmul(probs.view(bs, nkv, g * nq, -1), v.float()).to(q.dtype)  # [bs, nKV, g * Q, hd]
+    return out if nq == 1 else out.view(bs, nkv, g, nq, hd).permute(0, 3, 1, 2, 4)
 
 
 def _ragged_arange(lens: torch.Tensor, total: int) -> torch.Tensor:

@@ -109,6 +109,7 @@ class Engine:
         except BaseException:
             for r in reqs:
                 self.scheduler.abort_request(r.rid, "error")
+            self.scheduler.drain()
             raise
 
     def _stream(self, req: Req) -> Iterator[dict]:
@@ -124,6 +125,8 @@ class Engine:
         finally:
             if not req.finished():
                 self.scheduler.abort_request(req.rid, "stream closed")
+            while self.scheduler.in_flight is not None:  # land the batch still in flight
+                self.scheduler.run_step()
 
     def shutdown(self) -> None:
         for req in list(self.scheduler.waiting_queue) + self.scheduler.prefilling + self.scheduler.running:

@@ -13,6 +13,7 @@ from sglang_dflash.engine.memory_pool import MHATokenToKVPool, ReqToTokenPool, T
 from sglang_dflash.models.config import ModelConfig
 from sglang_dflash.models.llama import CausalLM, LogitsOutput
 from sglang_dflash.models.model_store import load_model_config, load_weights, resolve_model_dir
+from sglang_dflash.models.packed_linear import can_pack, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class ModelRunner:
         model.to(dtype)
         model.init_rope(device)
         model.eval().requires_grad_(False)
+        if can_pack(device, dtype):
+            pack_linears(model, keep_weight=("lm_head",))
         self.model = model
         self.max_total_tokens = max_total_tokens
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.context_length + 1, device)
@@ -49,7 +52,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype, device
         )
-        self.attn_backend = TorchNativeAttnBackend()
+        self.attn_backend = TorchNativeAttnBackend(cfg.num_key_value_heads, cfg.head_dim)
         logger.info("loaded %s (%s) in %.2fs", self.model_dir, cfg.architecture, time.perf_counter() - t0)
 
     def reserve_tokens_per_step(self, n: int) -> None:
@@ -60,5 +63,5 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(pool.size, self.context_length + n + 1, self.device)
 
     def forward(self, fb: ForwardBatch) -> LogitsOutput:
-        meta = self.attn_backend.init_forward_metadata(fb, self.req_to_token_pool.req_to_token)
+        meta = self.attn_backend.init_forward_metadata(fb, self.req_to_token_pool.req_to_token, self.dtype)
         return self.model(fb, self.token_to_kv_pool, self.attn_backend, meta)

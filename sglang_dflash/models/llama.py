@@ -1,4 +1,6 @@
-"""Llama-family and Qwen3 decoder (our own torch forward) over the paged KV pool."""
+"""Llama-family and Qwen3 decoder (our own torch forward) over the paged KV pool.
+
+q/k/v and gate/up projections are merged into one GEMM each; checkpoints load per shard."""
 
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ from sglang_dflash.engine.attention import AttentionMetadata, TorchNativeAttnBac
 from sglang_dflash.engine.forward_batch import ForwardBatch
 from sglang_dflash.engine.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.config import ModelConfig
-from sglang_dflash.models.rotary import apply_rotary, build_cos_sin_cache
+from sglang_dflash.models.rotary import build_cos_sin_cache
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, weight applied in the input dtype (as HF Llama does)."""
+    """RMSNorm with torch's fused kernel (in float32 it equals HF's formula bit for bit)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -24,12 +26,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class MLP(nn.Module):
+    """SwiGLU MLP with separate projections (the DFlash draft's layout)."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
@@ -40,16 +42,41 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MergedLinear(nn.Linear):
+    """Projections of one input stacked on the output dim; `shards` maps checkpoint names to row counts."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = shards
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections in one GEMM."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, hd]; cos = cat(c, c), sin = cat(-s, s), both [T, 1, hd]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        q, kv = self.nh * self.hd, self.nkv * self.hd
+        shards = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        self.qkv_proj = MergedLinear(cfg.hidden_size, shards, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -57,16 +84,17 @@ class Attention(nn.Module):
         self.scale = self.hd**-0.5
 
     def forward(
-        self, x: torch.Tensor, cos_sin: torch.Tensor, fb: ForwardBatch, pool: MHATokenToKVPool,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch, pool: MHATokenToKVPool,
         attn: TorchNativeAttnBackend, meta: AttentionMetadata,
     ) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.nh, self.hd)
-        k = self.k_proj(x).view(T, self.nkv, self.hd)
-        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        T, nh = x.shape[0], self.nh
+        qkv = self.qkv_proj(x)
+        split = (nh + self.nkv) * self.hd
+        qk = qkv[:, :split].view(T, nh + self.nkv, self.hd)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+            qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
+        qk = apply_rope(qk, *rope)
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, split:].view(T, self.nkv, self.hd)
         pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
         o = attn.forward(q, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], meta, self.scale)
         return self.o_proj(o)
@@ -76,12 +104,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos_sin, fb, pool, attn, meta) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, fb, pool, attn, meta)
+    def forward(self, h, rope, fb, pool, attn, meta) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, fb, pool, attn, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -108,7 +136,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.cos_sin_cache: torch.Tensor | None = None
+        self.rope_cache: torch.Tensor | None = None
 
     def tie_weights(self) -> None:
         """Shares embedding and lm_head (call again after to_empty, which unties them)."""
@@ -116,15 +144,35 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_rope(self, device: torch.device) -> None:
+        """[max_positions, 2, hd] = (cat(cos, cos), cat(-sin, sin)) in the model dtype (call after .to(dtype))."""
         c = self.config
-        self.cos_sin_cache = build_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
+        cos, sin = build_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, device).chunk(2, -1)
+        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+        self.rope_cache = table.to(self.model.embed_tokens.weight.dtype)
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, slice | None]]:
+        """Checkpoint tensor name -> (our parameter name, its rows or None for all of it)."""
+        layout: dict[str, tuple[str, slice | None]] = {name: (name, None) for name, _ in self.named_parameters()}
+        for mod_name, mod in self.named_modules():
+            if not isinstance(mod, MergedLinear):
+                continue
+            parent = mod_name.rpartition(".")[0]
+            kinds = ("weight", "bias") if mod.bias is not None else ("weight",)
+            start = 0
+            for shard, rows in mod.shards.items():
+                for kind in kinds:
+                    layout.pop(f"{mod_name}.{kind}", None)
+                    layout[f"{parent}.{shard}.{kind}"] = (f"{mod_name}.{kind}", slice(start, start + rows))
+                start += rows
+        return layout
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         params = dict(self.named_parameters())
+        layout = self.checkpoint_layout()
         if self.config.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
-        missing = set(params) - set(weights) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
-        unexpected = {k for k in weights if k not in params and "rotary_emb" not in k}
+        missing = set(layout) - set(weights)
+        unexpected = {k for k in weights if k not in layout and "rotary_emb" not in k}
         if missing or unexpected:
             raise ValueError(
                 f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
@@ -132,10 +180,13 @@ class CausalLM(nn.Module):
             )
         with torch.no_grad():
             for name, w in weights.items():
-                if name in params:
-                    if params[name].shape != w.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(params[name].shape)}")
-                    params[name].copy_(w)
+                if name not in layout:
+                    continue
+                param_name, rows = layout[name]
+                dst = params[param_name] if rows is None else params[param_name][rows]
+                if dst.shape != w.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != {tuple(dst.shape)}")
+                dst.copy_(w)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h)).float()
@@ -145,11 +196,11 @@ class CausalLM(nn.Module):
         self, fb: ForwardBatch, pool: MHATokenToKVPool, attn: TorchNativeAttnBackend, meta: AttentionMetadata
     ) -> LogitsOutput:
         h = self.model.embed_tokens(fb.input_ids)
-        cos_sin = self.cos_sin_cache.index_select(0, fb.positions)
+        cos, sin = self.rope_cache.index_select(0, fb.positions).unsqueeze(2).unbind(1)
         captured = []
         capture = fb.capture_layer_ids or ()
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos_sin, fb, pool, attn, meta)
+            h = layer(h, (cos, sin), fb, pool, attn, meta)
             if i in capture:
                 captured.append(h)
         logits = None

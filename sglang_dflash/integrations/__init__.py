@@ -1,0 +1,1 @@
+"""Hosts for the DFlash worker other than our own engine (SGLang)."""

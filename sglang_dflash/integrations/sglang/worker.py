@@ -1,0 +1,263 @@
+"""DFlashSGLangWorker: sglang_dflash's DFlash decoding behind SGLang's Spec-V2 worker contract.
+
+The drafter, the block proposal, the accept kernels and the context-KV materialisation are the ones our own
+engine uses; SGLang supplies the target forward (prefill with aux hidden-state capture, TARGET_VERIFY), the
+KV slots (req_to_token), the FutureMap relay and the scheduler. The draft K/V cache is keyed by SGLang's token
+slots, so radix-cache prefix hits and chunked prefill find the draft context of earlier tokens in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.layers.sampler import apply_custom_logit_processor
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.runtime_context import get_parallel, get_spec
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
+from torch import nn
+
+from sglang_dflash.engine.memory_pool import MHATokenToKVPool
+from sglang_dflash.engine.sampler import SamplingBatchInfo
+from sglang_dflash.integrations.sglang.draft_input import DFlashDraftInput
+from sglang_dflash.integrations.sglang.hooks import missing_hooks
+from sglang_dflash.integrations.sglang.penalties import PenaltyState, has_penalties
+from sglang_dflash.integrations.sglang.routing import ALGORITHM, DFlashSpecAlgo, drafter_dir
+from sglang_dflash.kernels import greedy_accept, sampling_accept
+from sglang_dflash.models.dflash import DFlashDraftModel, load_draft_model
+from sglang_dflash.workers.dflash_worker import block_target_probs, propose_block
+
+logger = logging.getLogger(__name__)
+
+
+class TargetHead(nn.Module):
+    """The target's lm_head weight as a linear layer (SGLang's ParallelLMHead has no forward)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def extend_positions(prefix_lens: list[int], extend_lens: list[int], device: torch.device) -> torch.Tensor:
+    """Positions of the tokens a prefill computes: prefix_i .. prefix_i + extend_i - 1 per request."""
+    lens = torch.tensor(extend_lens, dtype=torch.int64)
+    starts = torch.tensor(prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens)
+    return (torch.arange(int(lens.sum())) + starts.repeat_interleave(lens)).to(device)
+
+
+def sampling_batch_info(info: Any, vocab: int) -> SamplingBatchInfo:
+    """SGLang's per-request sampling tensors as our sampler's (penalties are applied to the logits beforehand)."""
+    top_ks = info.top_ks.to(torch.int64).clamp(max=vocab)
+    ones = torch.ones_like(info.top_ps, dtype=torch.float32)
+    zeros = torch.zeros_like(ones)
+    return SamplingBatchInfo(
+        temperatures=info.temperatures.reshape(-1).float(), top_ps=info.top_ps.float(), top_ks=top_ks,
+        min_ps=info.min_ps.float(), greedy=top_ks == 1, repetition=ones, frequency=zeros, presence=zeros,
+        all_greedy=bool(info.is_all_greedy), any_penalty=False, need_top_p=bool(info.need_top_p_sampling),
+        need_top_k=bool(info.need_top_k_sampling), need_min_p=bool(info.need_min_p_sampling),
+    )
+
+
+class DFlashSGLangWorker(BaseSpecWorker):
+    """Built by SGLang's scheduler as Cls(server_args, gpu_id, nccl_port, target_worker); from then on it runs
+    every forward: prefill (target + draft context K/V) and decode (draft block, verify, accept, publish)."""
+
+    def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any):
+        super().__init__()
+        self.server_args = server_args
+        self._target_worker = target_worker
+        self._draft_worker = None
+        runner = target_worker.model_runner
+        if not isinstance(runner.spec_algorithm, DFlashSpecAlgo):
+            raise RuntimeError(f"sglang_dflash worker built for algorithm {runner.spec_algorithm!r}, not {ALGORITHM}")
+        missing = missing_hooks()
+        if missing:
+            raise RuntimeError(f"sglang_dflash: SGLang did not apply the hooks on {missing} (see its log)")
+        if get_parallel().tp_size != 1 or get_parallel().attn_dp_enabled:
+            raise NotImplementedError("sglang_dflash's DFLASH worker supports tp_size 1 without dp attention only")
+        self.device = torch.device(target_worker.device)
+        spec = get_spec()
+        self.block_size = int(spec.speculative_num_draft_tokens)
+        path = drafter_dir(spec.speculative_draft_model_path)
+        self.draft: DFlashDraftModel = load_draft_model(path, self.device, runner.dtype)
+        cfg = self.draft.config
+        target_cfg = runner.model_config.hf_text_config
+        cfg.check_target(target_cfg)
+        if max(cfg.target_layer_ids) > target_cfg.num_hidden_layers - 2:
+            raise ValueError(f"SGLang captures target layers 0..{target_cfg.num_hidden_layers - 2} only, "
+                             f"the drafter needs {cfg.target_layer_ids}")
+        model = runner.model
+        self.draft.bind_target(model.model.embed_tokens, TargetHead(model.lm_head.weight))
+        self.draft.prepare_inference(self.device)
+        model.set_dflash_layers_to_capture(list(cfg.target_layer_ids))
+        self.generator = torch.Generator(self.device).manual_seed(server_args.random_seed or 0)
+        self.draft_pool: MHATokenToKVPool | None = None
+        self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
+        logger.info(
+            "sglang_dflash: speculative algorithm %s runs %s.%s (drafter %s: %d layers, block %d, target layers %s)",
+            ALGORITHM, type(self).__module__, type(self).__qualname__, path, cfg.num_hidden_layers,
+            self.block_size, list(cfg.target_layer_ids),
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        # The scheduler treats this worker as its model worker: delegate what only the target has.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._target_worker, name)
+
+    @property
+    def preloaded_weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.draft.parameters())
+
+    def alloc_memory_pool(
+        self, memory_pool_config: Any = None, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None
+    ) -> None:
+        """Stores SGLang's pools; the draft K/V cache gets one row per target KV slot."""
+        super().alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
+        cfg = self.draft.config
+        slots = self.target_worker.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0]
+        self.draft_pool = MHATokenToKVPool(
+            slots - 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.draft.fc.weight.dtype,
+            self.device,
+        )
+
+    # ---- the Spec-V2 call ----
+    def forward_batch_generation(
+        self, batch: ScheduleBatch, on_publish: Callable[[torch.Tensor], None] | None = None,
+        grammar_barrier: Callable[[], None] | None = None, pp_proxy_tensors: Any = None,
+    ) -> GenerationBatchResult:
+        with torch.no_grad():
+            if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+                return self.forward_prefill(batch, on_publish, pp_proxy_tensors)
+            if not batch.forward_mode.is_decode():
+                raise NotImplementedError(f"sglang_dflash worker: forward mode {batch.forward_mode}")
+            return self.forward_decode(batch, on_publish, grammar_barrier)
+
+    def forward_prefill(
+        self, batch: ScheduleBatch, on_publish: Callable[[torch.Tensor], None] | None, pp_proxy_tensors: Any
+    ) -> GenerationBatchResult:
+        """Target prefill (it samples the first token) capturing the drafter's layers; draft K/V for the prompt."""
+        out = self.target_worker.forward_batch_generation(
+            batch, pp_proxy_tensors=pp_proxy_tensors, capture_hidden_mode=CaptureHiddenMode.FULL
+        )
+        logits_output = out.logits_output
+        positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
+        self.materialize(logits_output.hidden_states, positions, batch.out_cache_loc)
+        logits_output.hidden_states = None
+        if any(has_penalties(r.sampling_params) for r in batch.reqs):
+            if self.penalties is None:
+                vocab = self.target_worker.model_runner.model_config.vocab_size
+                self.penalties = PenaltyState(self.req_to_token_pool.req_to_token.shape[0], vocab, self.device)
+            self.penalties.start(batch.reqs, out.next_token_ids)
+        out.new_seq_lens = batch.seq_lens
+        if on_publish is not None:
+            on_publish(batch.seq_lens)
+        out.next_draft_input = DFlashDraftInput(out.next_token_ids, batch.seq_lens, self.block_size)
+        return out
+
+    def forward_decode(
+        self, batch: ScheduleBatch, on_publish: Callable[[torch.Tensor], None] | None,
+        grammar_barrier: Callable[[], None] | None,
+    ) -> GenerationBatchResult:
+        """Draft [bonus, MASK x (B-1)], verify the chain with the target, accept, publish, materialise the
+        committed rows. Every returned tensor is fresh: SGLang reads them after the next step has run."""
+        block = self.block_size
+        bs = len(batch.reqs)
+        req_to_token = self.req_to_token_pool.req_to_token
+        rpi = batch.req_pool_indices.to(torch.int64)
+        prefix = batch.seq_lens.to(torch.int64)
+        bonus = batch.spec_info.bonus_tokens.to(torch.int64)
+        block_lens = torch.full((bs,), block, dtype=torch.int64, device=self.device)
+        kv_bound = min(max(r.kv.kv_allocated_len for r in batch.reqs), req_to_token.shape[1])
+        drafts = propose_block(
+            self.draft, self.draft_pool.k_buffer, self.draft_pool.v_buffer, req_to_token, rpi, bonus, prefix,
+            block_lens, block, kv_bound,
+        )
+        candidates = torch.cat([bonus[:, None], drafts], dim=1)  # [bs, B]
+        positions = prefix[:, None] + torch.arange(block, device=self.device)
+        slots = req_to_token[rpi[:, None], positions.clamp(max=req_to_token.shape[1] - 1)].to(torch.int64)
+
+        batch.out_cache_loc = slots.flatten()
+        verify = DFlashVerifyInput(
+            draft_token=candidates.flatten(), positions=positions.flatten(), draft_token_num=block,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+        )
+        forward_batch, _ = verify.prepare_for_verify(batch, self.target_worker)
+        out = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
+        logits_output = out.logits_output
+        logits = logits_output.next_token_logits  # [bs * B, V]
+        self.adjust_logits(batch, logits, rpi, candidates, prefix, grammar_barrier)
+        accept_lens, next_bonus, out_tokens = self.accept(candidates, block_lens, logits, batch.sampling_info)
+        if self.penalties is not None:
+            self.penalties.commit(rpi, out_tokens, accept_lens + 1)
+        out_tokens = out_tokens.clamp_min(0).flatten()  # SGLang reads the first accept_lens + 1 of each row
+        new_seq_lens = prefix + accept_lens + 1
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+
+        committed = torch.arange(block, device=self.device)[None, :] <= accept_lens[:, None]
+        self.materialize(logits_output.hidden_states, positions.flatten(), torch.where(committed, slots, 0).flatten())
+        logits_output.hidden_states = None
+        if batch.return_logprob:
+            compute_spec_logprobs(batch, logits_output, out_tokens, chain_stride=block)
+        return GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=out_tokens, accept_lens=(accept_lens + 1).to(torch.int32),
+            next_draft_input=DFlashDraftInput(next_bonus, new_seq_lens, block), speculative_num_draft_tokens=block,
+            new_seq_lens=new_seq_lens, can_run_cuda_graph=out.can_run_cuda_graph,
+        )
+
+    def adjust_logits(
+        self, batch: ScheduleBatch, logits: torch.Tensor, rpi: torch.Tensor, candidates: torch.Tensor,
+        prefix: torch.Tensor, grammar_barrier: Callable[[], None] | None,
+    ) -> None:
+        """In place, what plain decoding applies before sampling: custom logit processors, penalties (exact per
+        row), the grammar mask over the drafted chain, logit_bias."""
+        info = batch.sampling_info
+        bs, block = candidates.shape
+        rows = logits.view(bs, block, -1)
+        if info.has_custom_logit_processor:
+            apply_custom_logit_processor(logits, info, num_tokens_in_batch=block)
+        if self.penalties is not None:
+            self.penalties.apply(rows, batch.reqs, rpi, candidates, prefix)
+        if batch.has_grammar:
+            mask = build_grammar_vocab_mask(
+                reqs=batch.reqs, tree=GrammarTree.from_linear_chain(candidates), sampling_info=info,
+                device=logits.device, barrier=grammar_barrier,
+            )
+            if mask is not None:
+                mask.apply(logits)
+        if info.logit_bias is not None:
+            rows.add_(info.logit_bias[:, None])
+
+    def accept(
+        self, candidates: torch.Tensor, block_lens: torch.Tensor, logits: torch.Tensor, info: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy or lossless rejection sampling (our kernels) -> (accepted drafts, next bonus, [bs, B] tokens)."""
+        bs, block = candidates.shape
+        vocab = logits.shape[-1]
+        if info.is_all_greedy:
+            return greedy_accept(candidates, logits.argmax(-1).view(bs, block), block_lens)
+        probs = block_target_probs(logits.view(bs, block, vocab), sampling_batch_info(info, vocab))
+        uniforms = torch.rand(bs, block + 1, generator=self.generator, device=self.device)
+        return sampling_accept(probs, candidates, None, block_lens, uniforms[:, :block], uniforms[:, block])
+
+    def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """Draft context K/V of every draft layer for these tokens, from the target's captured features."""
+        if features is None or features.shape[0] != positions.shape[0]:
+            got = None if features is None else tuple(features.shape)
+            raise RuntimeError(f"sglang_dflash: expected captured target features for {positions.shape[0]} tokens, "
+                               f"got {got}")
+        self.draft.materialize_context_kv(
+            features, positions, out_cache_loc.to(torch.int64), self.draft_pool.k_buffer, self.draft_pool.v_buffer
+        )
