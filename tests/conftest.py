@@ -3,6 +3,15 @@ a tiny random Qwen3 checkpoint, and helpers to run raw forwards and check KV boo
 
 from __future__ import annotations
 
+import os
+
+from sglang_dflash.device import accelerator
+
+# Triton kernels run on CPU tensors through the interpreter, which Triton only honours when the variable
+# is set before it is first imported (transformers imports it), so it is set here, before anything else.
+if accelerator() is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import json
 import shutil
 from collections.abc import Callable
