@@ -7,6 +7,8 @@ one table and one PNG of output tokens/s vs concurrency:
 
 SGLang runs from the SGLang venv (--sglang-python; on CPU made by scripts/install_sglang_cpu.sh) on the HF
 directory of the model (`python -m sglang_dflash.convert`), with --sglang-args (default: the CPU flags).
+Every server inherits the environment: on a small or shared CPU set OMP_NUM_THREADS (SGLang's CPU engine is
+several times slower when its threads are oversubscribed).
 """
 
 from __future__ import annotations

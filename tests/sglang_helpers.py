@@ -26,6 +26,7 @@ STARTUP_TIMEOUT_S = 600
 CPU_ARGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--max-total-tokens", "8192",
     "--dtype", "float32", "--sleep-on-idle",  # an idle scheduler otherwise spins a core
+    "--mem-fraction-static", "0.95",  # sized from free host memory, which other processes share; KV is capped above
 ]
 
 
