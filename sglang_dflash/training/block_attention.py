@@ -3,6 +3,8 @@
 Keys are the context K/V of every position (from the target features) followed by the blocks'
 own K/V; a block-sparse mask lets block j see context positions < a_j and itself (both ways),
 never other blocks. Same math as inference, where context K/V comes from the paged cache.
+Two attention variants compute the same thing: SDPA with a dense boolean mask, and flex_attention
+with a block-sparse mask (skips the masked tiles; pays off compiled, see scripts/train_dflash.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,27 @@ def block_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
     return torch.cat([ctx, own], dim=1)
 
 
+def flex_block_mask(anchors: torch.Tensor, seq_len: int, block: int):
+    """The same mask as block_mask() as a flex_attention BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q, kv):
+        qb = q // block
+        return torch.where(kv < seq_len, kv < anchors[qb], (kv - seq_len) // block == qb)
+
+    m = anchors.shape[0]
+    return create_block_mask(visible, None, None, m * block, seq_len + m * block, device=str(anchors.device))
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool) -> torch.Tensor:
+    """q [1, nH, Q, hd], k/v [1, nKV, K, hd]; `mask` from block_mask() (SDPA) or flex_block_mask()."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
 def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block: int, mask_token_id: int):
     """Block token ids [m, B] = [x_a, MASK...] and positions [m, B] = a..a+B-1."""
     cols = torch.arange(block, device=anchors.device)
@@ -34,16 +57,20 @@ def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block: int, mas
 
 
 def draft_blocks_forward(
-    draft: DFlashDraftModel, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor, block: int
+    draft: DFlashDraftModel, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor, block: int,
+    attention: str = "sdpa",
 ) -> torch.Tensor:
-    """Final hidden states [m*B, H] (before the final norm) of every anchor block of one sequence."""
+    """Final hidden states [m*B, H] (before the final norm) of every anchor block of one sequence.
+    attention: "sdpa" or "flex" (same result)."""
     seq_len = features.shape[0]
     ctx = draft.project_context(features)
     ids, positions = block_inputs(input_ids, anchors, block, draft.config.mask_token_id)
     h = draft.embed_tokens(ids.flatten()).to(ctx.dtype)
     cos_ctx = draft.cos_sin_cache[:seq_len]
     cos_blk = draft.cos_sin_cache.index_select(0, positions.flatten())
-    mask = block_mask(anchors, seq_len, block)
+    if attention not in ("sdpa", "flex"):
+        raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+    mask = block_mask(anchors, seq_len, block) if attention == "sdpa" else flex_block_mask(anchors, seq_len, block)
     for layer in draft.layers:
         a = layer.self_attn
         x = layer.input_layernorm(h)
@@ -52,9 +79,7 @@ def draft_blocks_forward(
         kc = apply_rotary(a.k_norm(a.k_proj(ctx).view(-1, a.nkv, a.hd)), cos_ctx)
         k = torch.cat([kc, kb]).transpose(0, 1)
         v = torch.cat([a.v_proj(ctx), a.v_proj(x)]).view(-1, a.nkv, a.hd).transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, enable_gqa=a.nkv != a.nh
-        )
+        o = block_attention(q.transpose(0, 1)[None], k[None], v[None], mask, a.nkv != a.nh)
         h = h + a.o_proj(o[0].transpose(0, 1).reshape(-1, a.nh * a.hd))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return h

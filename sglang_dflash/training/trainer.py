@@ -1,5 +1,8 @@
 """DFlash draft trainer: on-the-fly target features, many anchor blocks per sequence in one
-forward, weighted block loss, AdamW with warmup + cosine, checkpoints that resume exactly."""
+forward, weighted block loss, AdamW with warmup + cosine, checkpoints that resume exactly.
+
+The data may grow between runs (regeneration and training can overlap): records not seen before are
+appended to the current epoch's order, and the order itself is part of the checkpoint."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from sglang_dflash.models.dflash import DFlashDraftModel, random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig, default_target_layer_ids
 from sglang_dflash.training.block_attention import draft_blocks_forward
 from sglang_dflash.training.draft_vocab import coverage, most_frequent_tokens, target_to_draft_index
+from sglang_dflash.training.evaluate import dev_tau
 from sglang_dflash.training.features import target_features
 from sglang_dflash.training.loss import block_labels, default_gamma, position_weights, weighted_block_loss
 
@@ -48,6 +52,9 @@ class TrainConfig:
     dev_size: int = 24
     seed: int = 0
     autocast_bf16: bool = True
+    attention: str = "sdpa"  # "sdpa" (dense boolean block mask) or "flex" (block-sparse flex_attention)
+    eval_worker_prompts: int = 8  # dev prompts decoded by the real DFlashWorker at each evaluation (0 = off)
+    eval_max_new_tokens: int = 96
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -74,7 +81,11 @@ def sample_anchors(prompt_len: int, seq_len: int, count: int, gen: torch.Generat
 
 
 class DFlashTrainer:
-    def __init__(self, cfg: TrainConfig, records: list[dict]):
+    def __init__(self, cfg: TrainConfig, records: list[dict], resume_dir: Path | None = None):
+        """`resume_dir`: a checkpoint whose draft config (incl. its draft vocabulary) is kept; call
+        resume() to load its weights and state."""
+        if cfg.attention == "flex":  # measured: torch 2.13 raises NotImplementedError in flex backward on CPU
+            raise ValueError("attention='flex' needs a GPU: flex_attention has no backward on CPU; use 'sdpa'")
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -82,17 +93,19 @@ class DFlashTrainer:
         tokens = cfg.seqs_per_step * cfg.max_len + 64
         self.runner = ModelRunner(cfg.model_path, torch.device("cpu"), torch.bfloat16, tokens, cfg.seqs_per_step + 1)
         tcfg = self.runner.model_config
-        records = [r for r in records if r["response_ids"]]
-        is_dev = [is_dev_record(r["id"]) for r in records]
-        self.dev = [r for r, d in zip(records, is_dev) if d][: cfg.dev_size]
-        self.train = [r for r, d in zip(records, is_dev) if not d]
-        random.Random(cfg.seed).shuffle(self.train)
-        dcfg = DFlashConfig.for_target(tcfg, cfg.num_layers, cfg.block_size, cfg.mask_token_id)
-        dcfg.target_layer_ids = default_target_layer_ids(cfg.num_target_layers_used, tcfg.num_hidden_layers)
-        if cfg.draft_vocab_size:
-            responses = [r["response_ids"] for r in self.train]
-            dcfg.draft_vocab = most_frequent_tokens(responses, cfg.draft_vocab_size, always=tcfg.eos_token_ids)
-            self.vocab_coverage = coverage(responses, dcfg.draft_vocab)
+        self.records: dict[str, dict] = {}
+        self.dev: list[dict] = []
+        self.order: list[str] = []  # training record ids in this epoch's order
+        self.cursor, self.epoch = 0, 0
+        self.add_records(records)
+        if resume_dir is not None:
+            dcfg = DFlashConfig.load(resume_dir)
+        else:
+            dcfg = DFlashConfig.for_target(tcfg, cfg.num_layers, cfg.block_size, cfg.mask_token_id)
+            dcfg.target_layer_ids = default_target_layer_ids(cfg.num_target_layers_used, tcfg.num_hidden_layers)
+            if cfg.draft_vocab_size:
+                responses = [self.records[i]["response_ids"] for i in self.order]
+                dcfg.draft_vocab = most_frequent_tokens(responses, cfg.draft_vocab_size, always=tcfg.eos_token_ids)
         self.draft: DFlashDraftModel = random_draft_model(dcfg, seed=cfg.seed)
         with torch.no_grad():  # start the output norm at the target's, so initial logits have its scale
             self.draft.norm.weight.copy_(self.runner.model.model.norm.weight.float())
@@ -112,21 +125,43 @@ class DFlashTrainer:
         self.tokens_seen = 0
 
     # ---- data ----
+    def add_records(self, records: list[dict]) -> int:
+        """Adds records not seen before (dev ones to the dev set, the rest to the end of this epoch's
+        order, shuffled); returns how many training records were added."""
+        new = [r for r in records if r["response_ids"] and r["id"] not in self.records]
+        for r in new:
+            self.records[r["id"]] = r
+        self.dev += [r for r in new if is_dev_record(r["id"])][: max(0, self.cfg.dev_size - len(self.dev))]
+        fresh = [r["id"] for r in new if not is_dev_record(r["id"])]
+        random.Random(f"{self.cfg.seed}-{len(self.order)}").shuffle(fresh)
+        self.order += fresh
+        return len(fresh)
+
+    @property
+    def vocab_coverage(self) -> float | None:
+        vocab = self.draft.config.draft_vocab
+        return None if vocab is None else coverage([self.records[i]["response_ids"] for i in self.order], vocab)
+
     def sequence(self, rec: dict) -> tuple[list[int], int]:
         ids = (rec["prompt_ids"] + rec["response_ids"])[: self.cfg.max_len]
         return ids, min(len(rec["prompt_ids"]), len(ids))
 
-    def batch_at(self, step: int) -> list[dict]:
-        n = self.cfg.seqs_per_step
-        start = (step * n) % len(self.train)
-        return [self.train[(start + i) % len(self.train)] for i in range(n)]
+    def next_batch(self) -> list[dict]:
+        batch = []
+        while len(batch) < self.cfg.seqs_per_step:
+            if self.cursor >= len(self.order):  # next epoch: a fresh shuffle of everything
+                self.epoch, self.cursor = self.epoch + 1, 0
+                random.Random(f"{self.cfg.seed}-epoch-{self.epoch}").shuffle(self.order)
+            batch.append(self.records[self.order[self.cursor]])
+            self.cursor += 1
+        return batch
 
     # ---- one sequence ----
     def sequence_loss(self, ids: list[int], prompt_len: int, feats: torch.Tensor, anchors: torch.Tensor):
         block = self.cfg.block_size
         input_ids = torch.tensor(ids)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
-            h = draft_blocks_forward(self.draft, feats.float(), input_ids, anchors, block)
+            h = draft_blocks_forward(self.draft, feats.float(), input_ids, anchors, block, self.cfg.attention)
             h = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:]
             logits = F.linear(h, self.head.to(h.dtype))
         labels = block_labels(input_ids, anchors, block)
@@ -136,7 +171,7 @@ class DFlashTrainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg
-        recs = self.batch_at(self.step)
+        recs = self.next_batch()
         seqs = [self.sequence(r) for r in recs]
         feats = target_features(self.runner, [s for s, _ in seqs], tuple(self.draft.config.target_layer_ids))
         for g in self.opt.param_groups:
@@ -158,11 +193,11 @@ class DFlashTrainer:
         lr = lr_at(self.step - 1, cfg)
         return {"step": self.step, "loss": total / max(count, 1), "grad_norm": float(norm), "lr": lr}
 
-    # ---- evaluation: teacher-forced acceptance on held-out greedy responses ----
+    # ---- evaluation ----
     @torch.no_grad()
-    def eval_tau(self) -> float:
-        """Mean committed tokens per block (accepted drafts + 1) when drafting greedily along the
-        dev responses; equals greedy tau on the target's own greedy outputs."""
+    def eval_tau_teacher_forced(self) -> float:
+        """Mean committed tokens per block (accepted drafts + 1) when drafting greedily from EVERY
+        position of the dev greedy responses (cheap; a proxy for the real worker's tau)."""
         taus = []
         greedy = [r for r in self.dev if r["sampling"].get("temperature", 1.0) == 0] or self.dev
         seqs = [self.sequence(r) for r in greedy]
@@ -179,13 +214,18 @@ class DFlashTrainer:
                 taus.append(float((run + 1).float().mean()))
         return sum(taus) / max(len(taus), 1)
 
+    def eval_tau_worker(self, checkpoint: Path) -> float:
+        """Greedy tau of the real DFlashWorker (our Engine) with this checkpoint on dev prompts."""
+        prompts = [r["prompt_ids"] for r in self.dev[: self.cfg.eval_worker_prompts]]
+        return dev_tau(checkpoint, prompts, self.cfg.model_path, self.cfg.eval_max_new_tokens)
+
     # ---- checkpoints ----
     def save(self, tag: str = "latest") -> Path:
         path = self.out / tag
         self.draft.save_pretrained(path)
         state = {"step": self.step, "opt": self.opt.state_dict(), "gen": self.gen.get_state(),
                  "torch_rng": torch.get_rng_state(), "history": self.history, "tokens_seen": self.tokens_seen,
-                 "config": asdict(self.cfg)}
+                 "order": self.order, "cursor": self.cursor, "epoch": self.epoch, "config": asdict(self.cfg)}
         torch.save(state, path / "train_state.pt")
         return path
 
@@ -197,8 +237,12 @@ class DFlashTrainer:
         self.gen.set_state(state["gen"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.history, self.tokens_seen = state["step"], state["history"], state["tokens_seen"]
+        known = [i for i in state["order"] if i in self.records]  # the saved order, then records new since
+        unseen = [i for i in self.order if i not in set(known)]
+        self.order, self.cursor, self.epoch = known + unseen, state["cursor"], state["epoch"]
 
-    def run(self, max_steps: int | None = None, log_path: Path | None = None) -> None:
+    def run(self, max_steps: int | None = None, log_path: Path | None = None, reload=None) -> None:
+        """Trains until total_steps (or max_steps more). `reload()` -> new records, called at checkpoints."""
         cfg = self.cfg
         end = min(cfg.total_steps, self.step + max_steps) if max_steps else cfg.total_steps
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
@@ -207,14 +251,21 @@ class DFlashTrainer:
             stats = self.train_step()
             bar.update(1)
             rate = (self.tokens_seen - tok0) / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{rate:.0f}", data=len(self.order))
             if self.step % cfg.eval_every == 0 or self.step == end:
-                stats["dev_tau"] = self.eval_tau()
-                stats["tokens_seen"] = self.tokens_seen
+                stats["dev_tau_teacher_forced"] = self.eval_tau_teacher_forced()
+                if cfg.eval_worker_prompts:
+                    self.draft.save_pretrained(self.out / "eval")
+                    stats["dev_tau"] = self.eval_tau_worker(self.out / "eval")
+                stats.update(tokens_seen=self.tokens_seen, train_records=len(self.order), epoch=self.epoch,
+                             wall_s=round(time.perf_counter() - t0, 1))
                 self.history.append(stats)
                 if log_path:
                     with open(log_path, "a") as f:
                         f.write(json.dumps(stats) + "\n")
+                tqdm.write(json.dumps(stats))
             if self.step % cfg.ckpt_every == 0 or self.step == end:
                 self.save()
+                if reload is not None:
+                    self.add_records(reload())
         bar.close()

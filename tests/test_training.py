@@ -1,0 +1,175 @@
+"""DFlash training on a tiny random target: the block mask isolates blocks, the SDPA and flex variants
+agree, the loss weights, one step lowers the loss, a checkpoint resumes to the same state, and the
+real-worker dev evaluation runs on a trained checkpoint."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from dflash_helpers import save_tiny_target, tiny_target_config
+
+from sglang_dflash.models.dflash import random_draft_model
+from sglang_dflash.models.dflash_config import DFlashConfig
+from sglang_dflash.training.block_attention import draft_blocks_forward
+from sglang_dflash.training.loss import block_labels, position_weights, weighted_block_loss
+from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig, is_dev_record
+
+VOCAB, BLOCK, MASK = 48, 4, 5
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_target(tmp_path_factory.mktemp("tiny") / "target", tiny_target_config(VOCAB, layers=8), seed=3)
+
+
+def tiny_draft(seed: int = 0):
+    cfg = DFlashConfig.for_target(tiny_target_config(VOCAB, layers=8), 2, BLOCK, MASK)
+    cfg.target_layer_ids = [1, 5]
+    model = random_draft_model(cfg, seed=seed, std=0.3)
+    g = torch.Generator().manual_seed(seed + 1)
+    model.bind_target(torch.nn.Embedding.from_pretrained(torch.randn(VOCAB, 32, generator=g)),
+                      torch.nn.Linear(32, VOCAB, bias=False))
+    model.prepare_inference(torch.device("cpu"))
+    return model
+
+
+def records(n: int, seed: int, prefix: str = "r") -> list[dict]:
+    """Prompt of 6 random tokens, then a response that cycles through a short random pattern."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        pattern = torch.randint(6, VOCAB - 1, (5,), generator=g).tolist()
+        out.append({"id": f"{prefix}{i}", "source": "test", "prompt_ids": torch.randint(6, VOCAB - 1, (6,),
+                    generator=g).tolist(), "response_ids": (pattern * 5)[:22], "finish": "length",
+                    "sampling": {"temperature": 0.0}})
+    return out
+
+
+def train_config(out: Path, target: Path, **kw) -> TrainConfig:
+    base = dict(out_dir=str(out), model_path=str(target), num_layers=2, num_target_layers_used=2, block_size=BLOCK,
+                mask_token_id=MASK, anchors_per_seq=8, max_len=64, seqs_per_step=2, total_steps=6, lr=3e-3,
+                draft_vocab_size=None, ckpt_every=3, eval_every=100, eval_worker_prompts=0, autocast_bf16=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_block_sees_only_its_context_and_itself():
+    torch.manual_seed(0)
+    draft = tiny_draft()
+    seq_len = 30
+    feats = torch.randn(seq_len, 2 * 32)
+    ids = torch.randint(6, VOCAB, (seq_len,))
+    anchors = torch.tensor([4, 9, 17, 25])
+    base = draft_blocks_forward(draft, feats, ids, anchors, BLOCK).view(4, BLOCK, -1)
+    j = 1  # perturb everything block 1 must not see: context at positions >= its anchor, other blocks' tokens
+    feats2, ids2 = feats.clone(), ids.clone()
+    feats2[anchors[j]:] = torch.randn(seq_len - anchors[j], 2 * 32)
+    others = torch.tensor([a for i, a in enumerate(anchors.tolist()) if i != j])
+    ids2[others] = (ids2[others] + 7) % VOCAB
+    after = draft_blocks_forward(draft, feats2, ids2, anchors, BLOCK).view(4, BLOCK, -1)
+    torch.testing.assert_close(after[j], base[j], rtol=0, atol=1e-6)
+    assert (after[j + 1] - base[j + 1]).abs().max() > 1e-3  # later blocks do see that context
+    feats3 = feats.clone()
+    feats3[anchors[j] - 1] += 1.0  # the last visible context position matters to block j
+    seen = draft_blocks_forward(draft, feats3, ids, anchors, BLOCK).view(4, BLOCK, -1)
+    assert (seen[j] - base[j]).abs().max() > 1e-3
+    assert (seen[j - 1] - base[j - 1]).abs().max() == 0  # ... and not to the block anchored before it
+
+
+@torch.no_grad()  # flex_attention has no backward on CPU (torch 2.13): the trainer refuses it there
+def test_flex_attention_matches_sdpa():
+    torch.manual_seed(1)
+    draft = tiny_draft(seed=2)
+    for seq_len, anchors in ((40, [3, 11, 12, 30, 38]), (17, [0, 16])):
+        feats, ids = torch.randn(seq_len, 64), torch.randint(0, VOCAB, (seq_len,))
+        a = torch.tensor(anchors)
+        ref = draft_blocks_forward(draft, feats, ids, a, BLOCK, "sdpa")
+        flex = draft_blocks_forward(draft, feats, ids, a, BLOCK, "flex")
+        torch.testing.assert_close(flex, ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="attention must be"):
+        draft_blocks_forward(draft, feats, ids, a, BLOCK, "dense")
+
+
+def test_loss_weights_and_weighted_loss():
+    w = position_weights(16, 7.0)
+    assert w.shape == (15,)
+    for k in range(1, 16):
+        assert math.isclose(float(w[k - 1]), math.exp(-(k - 1) / 7.0), rel_tol=1e-6)
+    ids = torch.arange(10, 30)
+    anchors = torch.tensor([2, 17])
+    labels = block_labels(ids, anchors, 4)
+    assert labels.tolist() == [[13, 14, 15], [28, 29, -100]]
+    logits = torch.randn(2, 3, 40)
+    ws = torch.tensor([1.0, 0.5, 0.25])
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.clamp_min(0).flatten(), reduction="none")
+    mask = (labels >= 0).flatten().float()
+    expect = (ce * ws.repeat(2) * mask).sum() / (ws.repeat(2) * mask).sum()
+    torch.testing.assert_close(weighted_block_loss(logits, labels, ws), expect)
+
+
+def fixed_batch_loss(trainer: DFlashTrainer, recs: list[dict]) -> float:
+    from sglang_dflash.training.features import target_features
+
+    seqs = [trainer.sequence(r) for r in recs]
+    feats = target_features(trainer.runner, [s for s, _ in seqs], tuple(trainer.draft.config.target_layer_ids))
+    with torch.no_grad():
+        losses = [trainer.sequence_loss(ids, plen, f.clone(), torch.arange(plen, len(ids) - 1))[0]
+                  for (ids, plen), f in zip(seqs, feats)]
+    return float(sum(losses) / len(losses))
+
+
+def test_one_step_lowers_loss_on_a_fixed_batch(tiny_target: Path, tmp_path: Path):
+    recs = [r for r in records(40, seed=1) if not is_dev_record(r["id"])][:2]
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, anchors_per_seq=64, total_steps=10), recs)
+    before = fixed_batch_loss(trainer, recs)
+    stats = trainer.train_step()
+    after = fixed_batch_loss(trainer, recs)
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert after < before - 1e-3, (before, after)
+    frozen = trainer.runner.model.lm_head.weight
+    assert not frozen.requires_grad and trainer.draft.fc.weight.requires_grad
+
+
+def test_checkpoint_resumes_to_the_same_state(tiny_target: Path, tmp_path: Path):
+    data = records(12, seed=2)
+    straight = DFlashTrainer(train_config(tmp_path / "a", tiny_target), data)
+    straight.run()  # 6 steps, checkpoint at 3 and 6
+    first = DFlashTrainer(train_config(tmp_path / "b", tiny_target), data)
+    first.run(max_steps=3)
+    resumed = DFlashTrainer(train_config(tmp_path / "b", tiny_target), data, resume_dir=tmp_path / "b" / "latest")
+    resumed.resume(tmp_path / "b" / "latest")
+    assert resumed.step == 3 and resumed.cursor == first.cursor and resumed.order == first.order
+    resumed.run()
+    assert resumed.step == straight.step == 6
+    for (name, a), b in zip(straight.draft.named_parameters(), resumed.draft.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    assert resumed.tokens_seen == straight.tokens_seen
+
+
+def test_new_records_join_the_epoch_and_the_draft_vocab_survives_resume(tiny_target: Path, tmp_path: Path):
+    data = records(10, seed=4)
+    cfg = train_config(tmp_path, tiny_target, draft_vocab_size=12, total_steps=3)
+    trainer = DFlashTrainer(cfg, data[:6])
+    vocab = trainer.draft.config.draft_vocab
+    assert len(vocab) == 12 and VOCAB - 1 in vocab  # eos is always proposable
+    trainer.run()
+    added = trainer.add_records(data)  # the first six again (ignored) and four new ones
+    assert added == sum(not is_dev_record(r["id"]) for r in data[6:])
+    assert len(trainer.order) == len(set(trainer.order))
+    again = DFlashTrainer(cfg, records(10, seed=5, prefix="other"), resume_dir=tmp_path / "latest")
+    assert again.draft.config.draft_vocab == vocab
+
+
+def test_dev_tau_with_the_real_worker(tiny_target: Path, tmp_path: Path):
+    dev_ids = [f"d{i}" for i in range(400) if is_dev_record(f"d{i}")][:2]
+    data = records(8, seed=6) + [dict(r, id=i) for r, i in zip(records(2, seed=7, prefix="x"), dev_ids)]
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, eval_worker_prompts=2, eval_max_new_tokens=12,
+                                         eval_every=2, total_steps=2), data)
+    assert [r["id"] for r in trainer.dev] == dev_ids and not set(dev_ids) & set(trainer.order)
+    trainer.run(log_path=tmp_path / "history.jsonl")
+    entry = trainer.history[-1]
+    assert 1.0 <= entry["dev_tau"] <= BLOCK and 1.0 <= entry["dev_tau_teacher_forced"] <= BLOCK
+    assert (tmp_path / "history.jsonl").read_text().count("dev_tau") == 2
