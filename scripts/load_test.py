@@ -1,13 +1,19 @@
 """Closed-loop load test over real HTTP: output tokens/s, TTFT/TPOT p50/p99, accept length, errors.
 
-Starts the server itself in four configurations (DFLASH/AR x overlap on/off), drives C concurrent streaming
-chat clients (each sends its next request when the previous one ends) on HumanEval and MT-Bench prompts, and
-writes JSON + a PNG of throughput vs concurrency; prints the DFLASH/AR and overlap/plain ratios and the
-host-side idle gap per scheduler step.
+Starts each server configuration itself, drives C concurrent streaming chat clients (each sends its next
+request when the previous one ends) on HumanEval and MT-Bench prompts, and writes JSON, a table and a PNG
+of throughput vs concurrency.
 
-    python scripts/load_test.py --draft PATH --concurrency 1,2,4,8,16,32 --num-prompts 64 --max-tokens 256
+--server ours (default): our server, DFLASH/AR x overlap on/off; prints the DFLASH/AR and overlap/plain
+ratios and the host-side idle gap per scheduler step.
+    python scripts/load_test.py --concurrency 1,2,4,8,16,32 --num-prompts 64 --max-tokens 256
 
-How a server is launched is pluggable (`SERVERS`: --server NAME -> command line for a configuration).
+--server sglang: the side by side. SGLang + our DFLASH worker (plugin), SGLang without speculation, and
+our own server (DFLASH and AR), all with overlap on. SGLang runs from the SGLang venv (--sglang-python; on
+CPU made by scripts/install_sglang_cpu.sh) on the HF directory of the model (`python -m sglang_dflash.convert`)
+with --sglang-args (default: the CPU flags). Servers inherit the environment: on a small or shared CPU set
+OMP_NUM_THREADS (SGLang's CPU engine is several times slower when its threads are oversubscribed).
+    python scripts/load_test.py --server sglang --concurrency 1,2,4,8,16,32 --num-prompts 64
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,24 +37,53 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+CPU_SGLANG_ARGS = ("--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 8192 "
+                   "--dtype float32 --sleep-on-idle")
+
 
 @dataclass(frozen=True)
 class Config:
     name: str
     speculative: bool
     overlap: bool
+    host: str = "ours"  # "ours" (sglang_dflash.launch_server) or "sglang" (sglang.launch_server + our plugin)
 
 
-CONFIGS = [
-    Config("dflash-overlap", True, True),
-    Config("dflash-plain", True, False),
-    Config("ar-overlap", False, True),
-    Config("ar-plain", False, False),
-]
+CONFIGS = {
+    "ours": [
+        Config("dflash-overlap", True, True),
+        Config("dflash-plain", True, False),
+        Config("ar-overlap", False, True),
+        Config("ar-plain", False, False),
+    ],
+    "sglang": [
+        Config("sglang-dflash", True, True, "sglang"),
+        Config("sglang-ar", False, True, "sglang"),
+        Config("ours-dflash", True, True),
+        Config("ours-ar", False, True),
+    ],
+}
 
 
-# ---- servers: --server NAME -> the command that serves a configuration on a port ----
-def sglang_dflash_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str]:
+# ---- the command that serves a configuration on a port ----
+def server_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str]:
+    return sglang_command(cfg, port, args) if cfg.host == "sglang" else ours_command(cfg, port, args)
+
+
+def sglang_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str]:
+    cmd = [args.sglang_python, "-m", "sglang.launch_server", "--model-path", str(args.model), "--host", "127.0.0.1",
+           "--port", str(port), "--max-running-requests", str(max(args.concurrency)), "--enable-metrics",
+           *args.sglang_args.split()]
+    if cfg.speculative:
+        from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER
+
+        draft = args.draft or str(DEFAULT_DRAFTER)
+        cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft]
+    return cmd
+
+
+def ours_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "sglang_dflash.launch_server", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", "--max-running-requests", str(max(args.concurrency))]
     if cfg.speculative:
@@ -60,9 +95,6 @@ def sglang_dflash_command(cfg: Config, port: int, args: argparse.Namespace) -> l
     if not cfg.overlap:
         cmd.append("--disable-overlap-schedule")
     return cmd + args.server_args.split()
-
-
-SERVERS: dict[str, Callable[[Config, int, argparse.Namespace], list[str]]] = {"sglang-dflash": sglang_dflash_command}
 
 
 def free_port() -> int:
@@ -224,12 +256,12 @@ def level_stats(records: list[Record], wall: float, before: dict, after: dict) -
 
 def run_config(cfg: Config, prompts: list[str], args: argparse.Namespace, out_dir: Path) -> dict[int, dict]:
     port = free_port()
-    cmd = SERVERS[args.server](cfg, port, args)
+    cmd = server_command(cfg, port, args)
     print(f"== {cfg.name}: {' '.join(cmd)}", flush=True)
     results = {}
     with running_server(cmd, port, out_dir / f"server-{cfg.name}.log") as url:
         info = httpx.get(f"{url}/get_server_info", timeout=30).json()
-        if cfg.speculative and info.get("speculative_algorithm") != "DFLASH":
+        if cfg.host == "ours" and cfg.speculative and info.get("speculative_algorithm") != "DFLASH":
             raise RuntimeError(f"{cfg.name}: the server runs without DFLASH (no drafter?); pass --draft PATH")
         asyncio.run(closed_loop(url, prompts[:1], 1, args))  # warm-up, not measured
         for c in args.concurrency:
@@ -253,13 +285,23 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def ratios(results: dict[str, dict[int, dict]], concurrency: list[int]) -> dict[str, dict[int, float]]:
     pairs = {"dflash/ar (overlap)": ("dflash-overlap", "ar-overlap"), "dflash/ar (plain)": ("dflash-plain", "ar-plain"),
              "overlap/plain (dflash)": ("dflash-overlap", "dflash-plain"),
-             "overlap/plain (ar)": ("ar-overlap", "ar-plain")}
+             "overlap/plain (ar)": ("ar-overlap", "ar-plain"), "sglang dflash/ar": ("sglang-dflash", "sglang-ar"),
+             "ours dflash/ar": ("ours-dflash", "ours-ar"),
+             "sglang dflash / ours dflash": ("sglang-dflash", "ours-dflash")}
     out = {}
     for label, (a, b) in pairs.items():
         if a in results and b in results:
             out[label] = {c: results[a][c]["output_tok_s"] / max(results[b][c]["output_tok_s"], 1e-9)
                           for c in concurrency}
     return out
+
+
+def table(results: dict[str, dict[int, dict]], concurrency: list[int]) -> str:
+    names = list(results)
+    lines = ["| concurrency | " + " | ".join(f"{n} tok/s" for n in names) + " |", "|---|" + "---|" * len(names)]
+    for c in concurrency:
+        lines.append(f"| {c} | " + " | ".join(f"{results[n][c]['output_tok_s']:.1f}" for n in names) + " |")
+    return "\n".join(lines)
 
 
 def plot(results: dict[str, dict[int, dict]], concurrency: list[int], path: Path) -> None:
@@ -284,33 +326,46 @@ def plot(results: dict[str, dict[int, dict]], concurrency: list[int], path: Path
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--server", choices=sorted(SERVERS), default="sglang-dflash")
-    ap.add_argument("--draft", help="DFlash drafter checkpoint (default: the server's default drafter)")
-    ap.add_argument("--configs", default=",".join(c.name for c in CONFIGS), help="comma-separated subset of "
-                    + ", ".join(c.name for c in CONFIGS))
+    ap.add_argument("--server", choices=sorted(CONFIGS), default="ours", help="ours, or sglang (the side by side)")
+    ap.add_argument("--draft", help="DFlash drafter checkpoint (default: the shipped drafter)")
+    ap.add_argument("--configs", default=None, help="comma-separated subset of the --server set: "
+                    + "; ".join(f"{k}: {', '.join(c.name for c in v)}" for k, v in CONFIGS.items()))
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
     ap.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level (at least C)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     ap.add_argument("--dataset", choices=["mixed", "humaneval", "mtbench"], default="mixed")
-    ap.add_argument("--server-args", default="", help="extra server flags, e.g. '--device cuda --dtype bfloat16'")
+    ap.add_argument("--server-args", default="", help="extra flags for our server, e.g. '--device cuda'")
+    ap.add_argument("--sglang-python", default=str(REPO / ".venv-sglang" / "bin" / "python"))
+    ap.add_argument("--sglang-args", default=CPU_SGLANG_ARGS, help="extra SGLang flags (default: CPU)")
+    ap.add_argument("--model", type=Path, help="HF model directory for SGLang (default: the converted default GGUF)")
     ap.add_argument("--out", type=Path, default=Path("runs/load_test"))
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    names = args.configs.split(",")
-    unknown = sorted(set(names) - {c.name for c in CONFIGS})
+    configs = CONFIGS[args.server]
+    names = args.configs.split(",") if args.configs else [c.name for c in configs]
+    unknown = sorted(set(names) - {c.name for c in configs})
     if unknown:
-        ap.error(f"unknown configuration(s): {', '.join(unknown)}")
+        ap.error(f"unknown configuration(s) for --server {args.server}: {', '.join(unknown)}")
+    if args.server == "sglang":
+        if args.model is None:
+            from sglang_dflash.convert import convert
+
+            args.model = convert(None)
+        if "--device cpu" in args.sglang_args:
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.dataset)
-    results = {c.name: run_config(c, prompts, args, args.out) for c in CONFIGS if c.name in names}
+    results = {c.name: run_config(c, prompts, args, args.out) for c in configs if c.name in names}
     summary = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "configs": {c.name: asdict(c) for c in CONFIGS if c.name in names},
-               "results": results, "ratios": ratios(results, args.concurrency)}
+               "configs": {c.name: asdict(c) for c in configs if c.name in names},
+               "results": results, "ratios": ratios(results, args.concurrency),
+               "table": table(results, args.concurrency)}
     (args.out / "load_test.json").write_text(json.dumps(summary, indent=2))
     plot(results, args.concurrency, args.out / "load_test.png")
+    print(summary["table"])
     for label, by_c in summary["ratios"].items():
         print(f"{label:24s} " + "  ".join(f"c={c}: {r:.2f}x" for c, r in by_c.items()))
     print(f"wrote {args.out / 'load_test.json'} and {args.out / 'load_test.png'}")

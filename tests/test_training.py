@@ -142,6 +142,7 @@ def test_checkpoint_resumes_to_the_same_state(tiny_target: Path, tmp_path: Path)
     resumed = DFlashTrainer(train_config(tmp_path / "b", tiny_target), data, resume_dir=tmp_path / "b" / "latest")
     resumed.resume(tmp_path / "b" / "latest")
     assert resumed.step == 3 and resumed.cursor == first.cursor and resumed.order == first.order
+    assert [r["id"] for r in resumed.dev] == [r["id"] for r in first.dev]
     resumed.run()
     assert resumed.step == straight.step == 6
     for (name, a), b in zip(straight.draft.named_parameters(), resumed.draft.parameters()):
@@ -173,3 +174,16 @@ def test_dev_tau_with_the_real_worker(tiny_target: Path, tmp_path: Path):
     entry = trainer.history[-1]
     assert 1.0 <= entry["dev_tau"] <= BLOCK and 1.0 <= entry["dev_tau_teacher_forced"] <= BLOCK
     assert (tmp_path / "history.jsonl").read_text().count("dev_tau") == 2
+
+
+def test_written_drafter_folds_the_feature_scale(tiny_target: Path, tmp_path: Path):
+    from sglang_dflash.models.dflash import load_draft_model
+
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, total_steps=1), records(6, seed=8))
+    assert trainer.feature_scale.shape == (2 * 32,) and not torch.allclose(trainer.feature_scale, torch.ones(64))
+    trainer.run()
+    saved = load_draft_model(tmp_path / "latest", torch.device("cpu"), torch.float32)
+    raw = torch.randn(9, 64) * 30
+    with torch.no_grad():
+        torch.testing.assert_close(saved.project_context(raw),
+                                   trainer.draft.project_context(raw / trainer.feature_scale), rtol=1e-4, atol=1e-4)

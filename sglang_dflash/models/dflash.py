@@ -164,12 +164,17 @@ class DFlashDraftModel(nn.Module):
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith(("embed_tokens", "lm_head"))}
 
-    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    def save_pretrained(
+        self, path: str | Path, dtype: torch.dtype | None = None, overrides: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """config.json + model.safetensors; `overrides` replaces named weights in the file (e.g. a trainer's
+        folded fc.weight)."""
         import json
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        sd = {k: (v.to(dtype) if dtype else v).contiguous().cpu() for k, v in self.trainable_state_dict().items()}
+        sd = {**self.trainable_state_dict(), **(overrides or {})}
+        sd = {k: (v.to(dtype) if dtype else v).contiguous().cpu() for k, v in sd.items()}
         save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
 
