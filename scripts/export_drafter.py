@@ -33,11 +33,29 @@ def plot_curve(history: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def bench_table(results: list[dict]) -> str:
+    """Markdown table of scripts/bench_speculative.py results (greedy, batch 1)."""
+    rows = [
+        f"| {r['dataset']} | {r['num_prompts']} | {r['max_new_tokens']} | {r['block_size']} | "
+        f"{r['dflash']['tau']:.2f} | "
+        f"{r['ar']['decode_tok_per_s']:.1f} ({r.get('ar_prompts', r['num_prompts'])} prompts) | "
+        f"{r['dflash']['decode_tok_per_s']:.1f} | {r['speedup']:.2f}x | {r['step_time_ratio']:.2f} |"
+        for r in results
+    ]
+    return "\n".join([
+        "## Acceptance and speed (`scripts/bench_speculative.py`, greedy, batch 1, bf16, CPU)", "",
+        "| dataset | prompts | new tokens | block | tau | AR tok/s | DFLASH tok/s | DFLASH / AR "
+        "| DFLASH step / AR step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+    ])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--card-extra", type=Path, default=None, help="markdown appended to the model card")
+    ap.add_argument("--bench", type=Path, nargs="*", default=[], help="bench_speculative.py JSON results for the card")
     args = ap.parse_args()
     ckpt = args.run / "latest"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +99,8 @@ greedy responses. Minutes are the wall time of the run segment that logged the r
 
 ![learning curve](learning_curve.png)
 """
+    if args.bench:
+        card += "\n" + bench_table([json.loads(p.read_text()) for p in args.bench])
     if args.card_extra:
         card += "\n" + args.card_extra.read_text()
     (args.out / "README.md").write_text(card)

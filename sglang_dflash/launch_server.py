@@ -103,11 +103,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sglang_dflash.server.drafter_fallback import without_missing_default_drafter
-
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    args = without_missing_default_drafter(args)
     from sglang_dflash.server.http_server import build_app, serve
 
     try:

@@ -1,17 +1,13 @@
-"""launch_server CLI: SGLang flag names and defaults, one-line errors with exit code 2, drafter fallback."""
+"""launch_server CLI: SGLang flag names and defaults, one-line errors with exit code 2."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 
 import pytest
 
 from sglang_dflash.launch_server import parse_args
-from sglang_dflash.server.drafter_fallback import without_missing_default_drafter
-from sglang_dflash.server_args import ServerArgs
-from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER
 
 
 def test_unknown_flag_exits_2_with_one_line() -> None:
@@ -67,11 +63,11 @@ def test_other_models_default_to_plain_decoding() -> None:
     assert parse_args(["--model-path", "other.gguf"]).speculative_algorithm is None
 
 
-@pytest.mark.skipif((DEFAULT_DRAFTER / "model.safetensors").is_file(), reason="the default drafter is installed")
-def test_missing_default_drafter_falls_back_with_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
-        args = without_missing_default_drafter(ServerArgs(speculative_algorithm="DFLASH"))
-    assert args.speculative_algorithm is None
-    assert any(r.levelno == logging.WARNING and "plain" in r.getMessage() for r in caplog.records)
-    explicit = ServerArgs(speculative_algorithm="DFLASH", speculative_draft_model_path="d")
-    assert without_missing_default_drafter(explicit) is explicit
+def test_default_model_serves_dflash_with_the_shipped_drafter() -> None:
+    from sglang_dflash.models.dflash_config import DFlashConfig
+    from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER, default_drafter_path
+
+    assert parse_args([]).speculative_algorithm == "DFLASH"
+    assert default_drafter_path(None) == DEFAULT_DRAFTER
+    cfg = DFlashConfig.load(DEFAULT_DRAFTER)
+    assert cfg.block_size == 16 and (DEFAULT_DRAFTER / "model.safetensors").stat().st_size <= 40 * 2**20

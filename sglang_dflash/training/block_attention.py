@@ -4,7 +4,8 @@ Keys are the context K/V of every position (from the target features) followed b
 own K/V; a block-sparse mask lets block j see context positions < a_j and itself (both ways),
 never other blocks. Same math as inference, where context K/V comes from the paged cache.
 Two attention variants compute the same thing: SDPA with a dense boolean mask, and flex_attention
-with a block-sparse mask (skips the masked tiles; pays off compiled, see scripts/train_dflash.py).
+with a block-sparse mask (skips masked tiles when compiled; torch 2.13 has no flex backward on CPU, so
+training on CPU uses SDPA).
 """
 
 from __future__ import annotations

@@ -275,7 +275,8 @@ class DFlashTrainer:
         torch.set_rng_state(state["torch_rng"])
         self.step, self.history, self.tokens_seen = state["step"], state["history"], state["tokens_seen"]
         known = [i for i in state["order"] if i in self.records]  # the saved order, then records new since
-        unseen = [i for i in self.order if i not in set(known)]
+        in_known = set(known)
+        unseen = [i for i in self.order if i not in in_known]
         self.order, self.cursor, self.epoch = known + unseen, state["cursor"], state["epoch"]
         self.dev = [self.records[i] for i in state["dev"] if i in self.records]
 
