@@ -2,7 +2,10 @@
 
 Resumes from OUT/latest when present; re-reads the data directory at every checkpoint, so it can train
 while generate_responses.py is still adding shards. Run in the background:
-    nohup python scripts/train_dflash.py --data data/responses --out runs/smollm2-dflash > runs/train.log 2>&1 &
+    nohup python scripts/train_dflash.py --data data/responses --out runs/smollm2-dflash \
+        --feature-cache data/features > runs/train.log 2>&1 &
+--feature-cache keeps the target's features on disk (bf16, ~6 KB per token) so epochs after the first skip
+the target forward; any TrainConfig field is a flag (--anchors-per-seq, --total-steps, --gamma, ...).
 """
 
 from __future__ import annotations

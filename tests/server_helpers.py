@@ -50,6 +50,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str, log_tail) -> None:
+    """Polls GET url/health until 200; raises with the log tail if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready after {timeout}s:\n{log_tail()}")
+
+
 class ServerProcess:
     """`python -m sglang_dflash.launch_server ARGS --host 127.0.0.1 --port <free>` in its own process group."""
 
@@ -64,17 +79,8 @@ class ServerProcess:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+        wait_healthy(self.proc, self.url, timeout, "server", self.log_tail)
+        return self
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

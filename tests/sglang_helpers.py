@@ -11,14 +11,13 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+from server_helpers import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
@@ -32,12 +31,6 @@ CPU_ARGS = [
 
 def sglang_env() -> dict[str, str]:
     return {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SGLangServer:
@@ -55,17 +48,8 @@ class SGLangServer:
         atexit.register(self.stop)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> SGLangServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"SGLang not ready after {timeout}s:\n{self.log_tail()}")
+        wait_healthy(self.proc, self.url, timeout, "SGLang", self.log_tail)
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

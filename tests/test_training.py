@@ -1,4 +1,4 @@
-"""DFlash training on a tiny random target: the block mask isolates blocks, the SDPA and flex variants
+"""DFlash training on a tiny random target: the block mask isolates blocks, the split, SDPA and flex attention variants
 agree, the loss weights, one step lowers the loss, a checkpoint resumes to the same state, and the
 real-worker dev evaluation runs on a trained checkpoint."""
 
@@ -14,6 +14,7 @@ from dflash_helpers import save_tiny_target, tiny_target_config
 from sglang_dflash.models.dflash import random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.training.block_attention import draft_blocks_forward
+from sglang_dflash.training.feature_cache import FeatureCache
 from sglang_dflash.training.loss import block_labels, position_weights, weighted_block_loss
 from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig, is_dev_record
 
@@ -79,16 +80,29 @@ def test_block_sees_only_its_context_and_itself():
     assert (seen[j - 1] - base[j - 1]).abs().max() == 0  # ... and not to the block anchored before it
 
 
-@torch.no_grad()  # flex_attention has no backward on CPU (torch 2.13): the trainer refuses it there
-def test_flex_attention_matches_sdpa():
+def test_attention_variants_match_the_dense_sdpa_reference():
+    """'split' (the trainer's default) and 'flex' equal SDPA with the dense boolean mask; split's
+    gradients too (flex has no backward on CPU in torch 2.13, so the trainer refuses it there)."""
     torch.manual_seed(1)
     draft = tiny_draft(seed=2)
-    for seq_len, anchors in ((40, [3, 11, 12, 30, 38]), (17, [0, 16])):
+    for seq_len, anchors in ((40, [3, 11, 12, 30, 38]), (17, [0, 16]), (64, None)):
         feats, ids = torch.randn(seq_len, 64), torch.randint(0, VOCAB, (seq_len,))
-        a = torch.tensor(anchors)
-        ref = draft_blocks_forward(draft, feats, ids, a, BLOCK, "sdpa")
-        flex = draft_blocks_forward(draft, feats, ids, a, BLOCK, "flex")
+        a = torch.tensor(anchors) if anchors else torch.randperm(seq_len)[:9].sort().values
+        with torch.no_grad():
+            ref = draft_blocks_forward(draft, feats, ids, a, BLOCK, "sdpa")
+            flex = draft_blocks_forward(draft, feats, ids, a, BLOCK, "flex")
         torch.testing.assert_close(flex, ref, rtol=1e-4, atol=1e-5)
+        grads = []
+        for variant in ("sdpa", "split"):
+            draft.zero_grad()
+            out = draft_blocks_forward(draft, feats, ids, a, BLOCK, variant)
+            out.square().mean().backward()
+            grads.append([p.grad.clone() for p in draft.parameters() if p.grad is not None])
+            if variant == "split":
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        for g_ref, g_split in zip(*grads):
+            torch.testing.assert_close(g_split, g_ref, rtol=1e-4, atol=1e-5)
+        assert len(grads[1]) == len(grads[0]) > 0
     with pytest.raises(ValueError, match="attention must be"):
         draft_blocks_forward(draft, feats, ids, a, BLOCK, "dense")
 
@@ -148,6 +162,25 @@ def test_checkpoint_resumes_to_the_same_state(tiny_target: Path, tmp_path: Path)
     for (name, a), b in zip(straight.draft.named_parameters(), resumed.draft.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     assert resumed.tokens_seen == straight.tokens_seen
+
+
+def test_feature_cache_trains_exactly_like_fresh_features(tiny_target: Path, tmp_path: Path):
+    """Three epochs over six records: the cache is filled in the first and read afterwards, and the
+    weights equal a run that computes every feature (bit for bit); a new cache object finds the files."""
+    data = [r for r in records(8, seed=6) if not is_dev_record(r["id"])][:6]
+    fresh = DFlashTrainer(train_config(tmp_path / "a", tiny_target, total_steps=9), data)
+    fresh.run()
+    cfg = train_config(tmp_path / "b", tiny_target, total_steps=9, feature_cache=str(tmp_path / "cache"))
+    cached = DFlashTrainer(cfg, data)
+    cached.run()
+    assert cached.epoch == fresh.epoch >= 2
+    for (name, a), b in zip(fresh.draft.named_parameters(), cached.draft.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    reopened = FeatureCache(tmp_path / "cache", str(cfg.model_path), tuple(cached.draft.config.target_layer_ids),
+                            cfg.max_len)
+    assert not reopened.pending and {r["id"] for r in data} <= set(reopened.where)
+    ids, _ = cached.sequence(data[0])
+    torch.testing.assert_close(reopened.get(data[0]["id"]), cached.features(data[:1], [ids])[0], rtol=0, atol=0)
 
 
 def test_new_records_join_the_epoch_and_the_draft_vocab_survives_resume(tiny_target: Path, tmp_path: Path):

@@ -31,6 +31,7 @@ from sglang_dflash.models.dflash_config import DFlashConfig, default_target_laye
 from sglang_dflash.training.block_attention import draft_blocks_forward
 from sglang_dflash.training.draft_vocab import coverage, most_frequent_tokens, target_to_draft_index
 from sglang_dflash.training.evaluate import dev_tau
+from sglang_dflash.training.feature_cache import FeatureCache
 from sglang_dflash.training.features import target_features
 from sglang_dflash.training.loss import block_labels, default_gamma, position_weights, weighted_block_loss
 
@@ -58,9 +59,10 @@ class TrainConfig:
     dev_size: int = 24
     seed: int = 0
     autocast_bf16: bool = True
-    attention: str = "sdpa"  # "sdpa" (dense boolean block mask) or "flex" (block-sparse flex_attention)
+    attention: str = "split"  # "split" (context | own block, one softmax), "sdpa" (dense mask) or "flex"
     eval_worker_prompts: int = 8  # dev prompts decoded by the real DFlashWorker at each evaluation (0 = off)
     eval_max_new_tokens: int = 96
+    feature_cache: str | None = None  # directory for cached bf16 target features (~6 KB per token)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -123,6 +125,10 @@ class DFlashTrainer:
             None if dcfg.draft_vocab is None else target_to_draft_index(dcfg.draft_vocab, tcfg.vocab_size)
         )
         self.weights = position_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
+        self.cache = None
+        if cfg.feature_cache:
+            layers = tuple(dcfg.target_layer_ids)
+            self.cache = FeatureCache(Path(cfg.feature_cache), str(cfg.model_path), layers, cfg.max_len)
         self.feature_scale = self.measure_feature_scale([self.records[i] for i in self.order[:16]])
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -179,6 +185,20 @@ class DFlashTrainer:
                 count += f.shape[0]
         return (total / count).sqrt().clamp_min(1e-3)
 
+    def features(self, recs: list[dict], seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Target features of these records: from the cache when there is one (computing and adding
+        the missing ones in one batch), otherwise computed."""
+        layers = tuple(self.draft.config.target_layer_ids)
+        if self.cache is None:
+            return target_features(self.runner, seqs, layers)
+        found = [self.cache.get(r["id"]) for r in recs]
+        missing = [i for i, f in enumerate(found) if f is None or f.shape[0] != len(seqs[i])]
+        if missing:
+            for i, f in zip(missing, target_features(self.runner, [seqs[i] for i in missing], layers)):
+                self.cache.put(recs[i]["id"], f)
+                found[i] = f
+        return found
+
     def fc_weight_for_checkpoint(self) -> torch.Tensor:
         """fc.weight acting on raw features: the trained weight with the feature scale folded in."""
         return (self.draft.fc.weight / self.feature_scale[None, :]).detach()
@@ -194,8 +214,8 @@ class DFlashTrainer:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
             feats = feats.float() / self.feature_scale
             h = draft_blocks_forward(self.draft, feats, input_ids, anchors, block, self.cfg.attention)
-            h = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:]
-            logits = F.linear(h, self.head.to(h.dtype))
+            h = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:].flatten(0, 1)
+            logits = F.linear(h, self.head.to(h.dtype)).view(len(anchors), block - 1, -1)  # 2-D GEMM, not bmm
         labels = block_labels(input_ids, anchors, block)
         if self.label_index is not None:
             labels = torch.where(labels >= 0, self.label_index[labels.clamp_min(0)], -100)
@@ -205,7 +225,7 @@ class DFlashTrainer:
         cfg = self.cfg
         recs = self.next_batch()
         seqs = [self.sequence(r) for r in recs]
-        feats = target_features(self.runner, [s for s, _ in seqs], tuple(self.draft.config.target_layer_ids))
+        feats = self.features(recs, [s for s, _ in seqs])
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, cfg)
         self.opt.zero_grad(set_to_none=True)
@@ -235,7 +255,7 @@ class DFlashTrainer:
         seqs = [self.sequence(r) for r in greedy]
         for start in range(0, len(seqs), self.cfg.seqs_per_step):
             chunk = seqs[start : start + self.cfg.seqs_per_step]
-            feats = target_features(self.runner, [s for s, _ in chunk], tuple(self.draft.config.target_layer_ids))
+            feats = self.features(greedy[start : start + self.cfg.seqs_per_step], [s for s, _ in chunk])
             for (ids, plen), f in zip(chunk, feats):
                 anchors = torch.arange(plen, len(ids) - 1)
                 if len(anchors) == 0:
@@ -255,6 +275,8 @@ class DFlashTrainer:
     def save(self, tag: str = "latest") -> Path:
         path = self.out / tag
         self.write_drafter(path)
+        if self.cache is not None:
+            self.cache.flush()
         state = {"step": self.step, "opt": self.opt.state_dict(), "gen": self.gen.get_state(),
                  "fc_weight": self.draft.fc.weight.detach().clone(), "feature_scale": self.feature_scale,
                  "torch_rng": torch.get_rng_state(), "history": self.history, "tokens_seen": self.tokens_seen,
