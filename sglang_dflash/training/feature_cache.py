@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 
 
 class FeatureCache:
+    """Single writer: files are numbered by how many exist, so one trainer per directory."""
+
     def __init__(self, root: Path, model_key: str, layer_ids: tuple[int, ...], max_len: int, flush_every: int = 64):
         tag = hashlib.sha1(f"{model_key}|{layer_ids}|{max_len}".encode()).hexdigest()[:12]
         self.dir = Path(root) / tag
@@ -27,9 +29,6 @@ class FeatureCache:
         for file in sorted(self.dir.glob("*.safetensors")):
             with safe_open(str(file), "pt") as f:
                 self.where.update(dict.fromkeys(f.keys(), file))
-
-    def __len__(self) -> int:
-        return len(self.where) + len(self.pending)
 
     def get(self, record_id: str) -> torch.Tensor | None:
         if record_id in self.pending:
