@@ -28,6 +28,7 @@ from dflash_helpers import OracleDrafter, save_random_drafter  # noqa: E402
 from sglang_dflash import Engine  # noqa: E402
 from sglang_dflash.models.config import ModelConfig  # noqa: E402
 from sglang_dflash.models.model_store import resolve_model_dir  # noqa: E402
+from sglang_dflash.server_args import ServerArgs  # noqa: E402
 from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER  # noqa: E402
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
@@ -131,17 +132,18 @@ def main() -> None:
                     help="propose the AR continuation, each token wrong with this probability (draft still runs)")
     ap.add_argument("--ar-prompts", type=int, default=None,
                     help="time AR on only the first N prompts (its per-token speed barely depends on the prompt)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where native, else float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=Path("bench_speculative.json"))
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
     args = ap.parse_args()
 
     prompts = load_prompts(args.dataset, args.num_prompts)
+    dtype = str(ServerArgs(dtype=args.dtype, device=args.device).torch_dtype).removeprefix("torch.")
     if args.oracle is not None and args.ar_prompts is not None:
         raise SystemExit("--oracle needs the AR output of every prompt: drop --ar-prompts")
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
-    common = {"model_path": args.model_path, "dtype": args.dtype, "device": args.device, "max_total_tokens": 8192}
+    common = {"model_path": args.model_path, "dtype": dtype, "device": args.device, "max_total_tokens": 8192}
     with tempfile.TemporaryDirectory() as tmp:
         draft, label = resolve_draft(args.draft, args.oracle is not None, args.model_path, Path(tmp))
         ar = Engine(**common)
@@ -167,7 +169,7 @@ def main() -> None:
 
     result = {
         "label": label, "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "dtype": args.dtype, "device": args.device, "block_size": block,
+        "dtype": dtype, "device": args.device, "block_size": block,
         "ar_prompts": len(ar_runs), "ar": summarise(ar_runs), "dflash": summarise(spec_runs),
         "identical_outputs": sum(a["output_ids"] == s["output_ids"] for a, s in zip(ar_runs, spec_runs)),
     }
@@ -178,7 +180,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2))
     png = args.plot or args.out.with_suffix(".png")
     plot(png, result)
-    print(f"{label} | {args.dataset} x{len(prompts)} | {args.dtype} | block {block}")
+    print(f"{label} | {args.dataset} x{len(prompts)} | {dtype} | block {block}")
     print(f"tau {spec_s['tau']:.2f}  accept rate {spec_s['accept_rate']:.3f}  histogram {spec_s['accept_histogram']}")
     print(f"AR {ar_s['decode_tok_per_s']:.1f} tok/s  DFLASH {spec_s['decode_tok_per_s']:.1f} tok/s  "
           f"speedup {result['speedup']:.2f}x  DFLASH step / AR step {result['step_time_ratio']:.2f}")

@@ -1,6 +1,9 @@
 """Regenerates responses for the training prompts with the target model (resumable shards).
 
     nohup python scripts/generate_responses.py --num-prompts 8000 > runs/datagen.log 2>&1 &
+
+data/responses (the default --out) is committed: commit new shards when a run ends, and start the next run
+past the prompts already used (--start-index), so every session adds data instead of regenerating it.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=Path("data/prompts.jsonl"))
     ap.add_argument("--out", type=Path, default=Path("data/responses"))
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--start-index", type=int, default=0, help="first prompt (e.g. past those already trained on)")
     ap.add_argument("--num-prompts", type=int, default=8000)
     ap.add_argument("--shard-size", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where native, else float32")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or xpu")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(model_path=args.model_path, dtype="bfloat16", max_running_requests=args.max_running_requests,
-                    max_total_tokens=args.max_running_requests * 1200)
+    engine = Engine(model_path=args.model_path, device=args.device, dtype=args.dtype,
+                    max_running_requests=args.max_running_requests, max_total_tokens=args.max_running_requests * 1200)
     generate_responses(engine, args.prompts, args.out, args.num_prompts, args.shard_size, args.max_new_tokens,
-                       window=2 * args.max_running_requests)
+                       window=2 * args.max_running_requests, start=args.start_index)
 
 
 if __name__ == "__main__":

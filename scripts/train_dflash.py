@@ -31,7 +31,7 @@ def main() -> None:
         if f.name in ("out_dir",):
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):
             ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=f.default)
         else:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)

@@ -29,6 +29,14 @@ def accelerator() -> torch.device | None:
     return next((torch.device(kind) for kind in ACCELERATORS if is_available(kind)), None)
 
 
+def has_fast_bf16(device: DeviceLike) -> bool:
+    """Whether bfloat16 matmuls run natively: on accelerators, and on CPUs with avx512_bf16 or AMX. Other
+    CPUs emulate them (measured on an AVX-512 Xeon without either: 23 vs 116 GFLOPS float32, 1 thread)."""
+    if torch.device(device).type != "cpu":
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def resolve_device(name: str) -> torch.device:
     """'cpu', 'cuda', 'cuda:1', 'xpu', ... -> torch.device (with an index on accelerators)."""
     device = torch.device(name)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_dflash.device import has_fast_bf16
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -60,8 +62,10 @@ class ServerArgs:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """bfloat16 by default (fast on CPUs with avx512_bf16 and on GPUs); float32 for exactness tests."""
-        return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]
+        """"auto": bfloat16 where it runs natively (GPUs, CPUs with avx512_bf16 or AMX), else float32."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if has_fast_bf16(self.device) else torch.float32
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> ServerArgs:

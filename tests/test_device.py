@@ -1,9 +1,12 @@
 """sglang_dflash.device: cpu paths everywhere, accelerator paths where one is present."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from sglang_dflash import device as dev
+from sglang_dflash.server_args import ServerArgs
 
 ACCEL = dev.accelerator()
 
@@ -68,3 +71,15 @@ def test_accelerator_stream_roundtrip() -> None:
     dev.empty_cache(device)
     free, total = dev.memory_info(device)
     assert 0 < free <= total
+
+
+def test_auto_dtype_is_bfloat16_only_where_it_is_native() -> None:
+    """"auto" follows the CPU's own flags (read here from /proc/cpuinfo, independently of torch), and is
+    bfloat16 on accelerators."""
+    flags = Path("/proc/cpuinfo")
+    if not flags.is_file():
+        pytest.skip("no /proc/cpuinfo")
+    native = bool({"avx512_bf16", "amx_bf16"} & set(flags.read_text().split()))
+    assert ServerArgs(dtype="auto").torch_dtype == (torch.bfloat16 if native else torch.float32)
+    assert ServerArgs(device="cuda", dtype="auto").torch_dtype == torch.bfloat16
+    assert ServerArgs(dtype="float32").torch_dtype == torch.float32

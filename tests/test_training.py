@@ -220,3 +220,21 @@ def test_written_drafter_folds_the_feature_scale(tiny_target: Path, tmp_path: Pa
     with torch.no_grad():
         torch.testing.assert_close(saved.project_context(raw),
                                    trainer.draft.project_context(raw / trainer.feature_scale), rtol=1e-4, atol=1e-4)
+
+
+def test_init_from_a_written_drafter_continues_the_same_function(tiny_target: Path, tmp_path: Path):
+    """A run started from a public-format checkpoint (measuring its own feature scale on other records)
+    computes what the run that wrote it computed, and its config (incl. the draft vocab) is kept."""
+    first = DFlashTrainer(train_config(tmp_path / "a", tiny_target, draft_vocab_size=12, total_steps=3),
+                          records(6, seed=9))
+    first.run()
+    cfg = train_config(tmp_path / "b", tiny_target, draft_vocab_size=None, init_from=str(tmp_path / "a" / "latest"))
+    second = DFlashTrainer(cfg, records(6, seed=10, prefix="new"))
+    assert second.draft.config.draft_vocab == first.draft.config.draft_vocab
+    assert not torch.allclose(second.feature_scale, first.feature_scale)
+    raw = torch.randn(9, 64) * 30
+    with torch.no_grad():
+        torch.testing.assert_close(second.draft.project_context(raw / second.feature_scale),
+                                   first.draft.project_context(raw / first.feature_scale), rtol=1e-4, atol=1e-4)
+    recs = [r for r in records(6, seed=10, prefix="new") if not is_dev_record(r["id"])][:2]
+    torch.testing.assert_close(fixed_batch_loss(second, recs), fixed_batch_loss(first, recs), rtol=1e-4, atol=1e-4)

@@ -54,10 +54,13 @@ class ShardWriter:
 
 
 def generate_responses(
-    engine, prompts_path: Path, out_dir: Path, num_prompts: int, shard_size: int, max_new_tokens: int, window: int
+    engine, prompts_path: Path, out_dir: Path, num_prompts: int, shard_size: int, max_new_tokens: int, window: int,
+    start: int = 0,
 ) -> None:
+    """Prompts [start, start + num_prompts) of the prompt file (indices seed the sampling, so a range
+    regenerates the same records whatever else was generated)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = list(enumerate(load_prompts(prompts_path)[:num_prompts]))
+    prompts = list(enumerate(load_prompts(prompts_path)))[start : start + num_prompts]
     done = {r["id"] for r in load_shards(out_dir)}
     todo = [(i, p) for i, p in prompts if p["id"] not in done]
     writer = ShardWriter(out_dir, shard_size)
@@ -83,6 +86,6 @@ def generate_responses(
         live_tokens = sum(len(v[3].output_ids) for v in live.values())
         bar.set_postfix(tok_s=f"{(tokens + live_tokens) / (time.perf_counter() - t0):.0f}", refresh=False)
     bar.close()
-    manifest = {"prompts": str(prompts_path), "num_prompts": len(prompts), "shard_size": shard_size,
+    manifest = {"prompts": str(prompts_path), "start": start, "num_prompts": len(prompts), "shard_size": shard_size,
                 "max_new_tokens": max_new_tokens}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -7,13 +7,15 @@ from pathlib import Path
 from sglang_dflash.engine.engine import Engine
 
 
-def dev_tau(checkpoint: Path, prompts: list[list[int]], model_path: str | None, max_new_tokens: int) -> float:
+def dev_tau(
+    checkpoint: Path, prompts: list[list[int]], model_path: str | None, max_new_tokens: int, device: str = "cpu"
+) -> float:
     """Mean over prompts of the committed tokens per verify step (REFERENCE.md section 4)."""
     if not prompts:
         return float("nan")
     longest = max(map(len, prompts)) + max_new_tokens
     engine = Engine(
-        model_path=model_path, dtype="bfloat16", speculative_algorithm="DFLASH",
+        model_path=model_path, device=device, dtype="auto", speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(checkpoint), max_running_requests=len(prompts),
         max_total_tokens=len(prompts) * (longest + 64), disable_overlap_schedule=True,
     )

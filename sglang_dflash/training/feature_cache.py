@@ -40,7 +40,7 @@ class FeatureCache:
             return f.get_tensor(record_id)
 
     def put(self, record_id: str, features: torch.Tensor) -> None:
-        self.pending[record_id] = features.to(torch.bfloat16).contiguous()
+        self.pending[record_id] = features.to("cpu", torch.bfloat16).contiguous()
         if len(self.pending) >= self.flush_every:
             self.flush()
 

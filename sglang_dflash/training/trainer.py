@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from sglang_dflash.device import has_fast_bf16, resolve_device
 from sglang_dflash.engine.model_runner import ModelRunner
 from sglang_dflash.models.dflash import DFlashDraftModel, random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig, default_target_layer_ids
@@ -58,11 +59,13 @@ class TrainConfig:
     eval_every: int = 100
     dev_size: int = 24
     seed: int = 0
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # None: where bf16 is native (see device.has_fast_bf16)
     attention: str = "split"  # "split" (context | own block, one softmax), "sdpa" (dense mask) or "flex"
     eval_worker_prompts: int = 8  # dev prompts decoded by the real DFlashWorker at each evaluation (0 = off)
     eval_max_new_tokens: int = 96
     feature_cache: str | None = None  # directory for cached bf16 target features (~6 KB per token)
+    init_from: str | None = None  # a DFlash checkpoint directory to start from (its config and weights)
+    device: str = "cpu"  # cpu, cuda or xpu: the target's features, the draft and the dev evaluation
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -98,16 +101,21 @@ class DFlashTrainer:
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        self.bf16 = has_fast_bf16(self.device) if cfg.autocast_bf16 is None else cfg.autocast_bf16
         tokens = cfg.seqs_per_step * cfg.max_len + 64
-        self.runner = ModelRunner(cfg.model_path, torch.device("cpu"), torch.bfloat16, tokens, cfg.seqs_per_step + 1)
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        self.runner = ModelRunner(cfg.model_path, self.device, dtype, tokens, cfg.seqs_per_step + 1)
         tcfg = self.runner.model_config
         self.records: dict[str, dict] = {}
         self.dev: list[dict] = []
         self.order: list[str] = []  # training record ids in this epoch's order
         self.cursor, self.epoch, self.step = 0, 0, 0
         self.add_records(records)
-        if resume_dir is not None:
-            dcfg = DFlashConfig.load(resume_dir)
+        if resume_dir is not None or cfg.init_from:
+            dcfg = DFlashConfig.load(resume_dir or cfg.init_from)
+            if dcfg.block_size != cfg.block_size:
+                raise ValueError(f"checkpoint block size {dcfg.block_size} != --block-size {cfg.block_size}")
         else:
             dcfg = DFlashConfig.for_target(tcfg, cfg.num_layers, cfg.block_size, cfg.mask_token_id)
             dcfg.target_layer_ids = default_target_layer_ids(cfg.num_target_layers_used, tcfg.num_hidden_layers)
@@ -116,20 +124,23 @@ class DFlashTrainer:
                 dcfg.draft_vocab = most_frequent_tokens(responses, cfg.draft_vocab_size, always=tcfg.eos_token_ids)
         # norms start at one: copying the target's final-norm scale (~1.8) gave a higher loss for the first
         # 24 steps (measured: 9.8 vs 8.4 at step 24, lr 1e-3)
-        self.draft: DFlashDraftModel = random_draft_model(dcfg, seed=cfg.seed)
+        self.draft: DFlashDraftModel = random_draft_model(dcfg, seed=cfg.seed).to(self.device)
         self.draft.bind_target(self.runner.model.model.embed_tokens, self.runner.model.lm_head)
-        self.draft.prepare_inference(torch.device("cpu"))
+        self.draft.prepare_inference(self.device)
         head = self.runner.model.lm_head.weight
-        self.head = (head if dcfg.draft_vocab is None else head[torch.tensor(dcfg.draft_vocab)]).detach().float()
+        vocab = None if dcfg.draft_vocab is None else torch.tensor(dcfg.draft_vocab, device=self.device)
+        self.head = (head if vocab is None else head[vocab]).detach().float()
         self.label_index = (
-            None if dcfg.draft_vocab is None else target_to_draft_index(dcfg.draft_vocab, tcfg.vocab_size)
+            None if vocab is None else target_to_draft_index(dcfg.draft_vocab, tcfg.vocab_size).to(self.device)
         )
-        self.weights = position_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
+        self.weights = position_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size), self.device)
         self.cache = None
         if cfg.feature_cache:
             layers = tuple(dcfg.target_layer_ids)
             self.cache = FeatureCache(Path(cfg.feature_cache), str(cfg.model_path), layers, cfg.max_len)
         self.feature_scale = self.measure_feature_scale([self.records[i] for i in self.order[:16]])
+        if cfg.init_from and resume_dir is None:
+            self.load_drafter(Path(cfg.init_from))
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -175,9 +186,9 @@ class DFlashTrainer:
         """Per-dimension RMS of the captured target features over these records ([K*H], float32)."""
         width = len(self.draft.config.target_layer_ids) * self.draft.config.hidden_size
         if not recs:
-            return torch.ones(width)
+            return torch.ones(width, device=self.device)
         seqs = [self.sequence(r)[0] for r in recs]
-        total, count = torch.zeros(width), 0
+        total, count = torch.zeros(width, device=self.device), 0
         for start in range(0, len(seqs), self.cfg.seqs_per_step):
             chunk = seqs[start : start + self.cfg.seqs_per_step]
             for f in target_features(self.runner, chunk, tuple(self.draft.config.target_layer_ids)):
@@ -186,22 +197,32 @@ class DFlashTrainer:
         return (total / count).sqrt().clamp_min(1e-3)
 
     def features(self, recs: list[dict], seqs: list[list[int]]) -> list[torch.Tensor]:
-        """Target features of these records: from the cache when there is one (computing and adding
-        the missing ones in one batch), otherwise computed."""
+        """Target features of these records, rounded to bfloat16 (as the cache stores them, so a run
+        with the cache trains exactly like one without): from the cache when there is one (computing
+        and adding the missing ones in one batch), otherwise computed."""
         layers = tuple(self.draft.config.target_layer_ids)
         if self.cache is None:
-            return target_features(self.runner, seqs, layers)
+            return [f.to(torch.bfloat16) for f in target_features(self.runner, seqs, layers)]
         found = [self.cache.get(r["id"]) for r in recs]
+        found = [None if f is None else f.to(self.device) for f in found]
         missing = [i for i, f in enumerate(found) if f is None or f.shape[0] != len(seqs[i])]
         if missing:
             for i, f in zip(missing, target_features(self.runner, [seqs[i] for i in missing], layers)):
-                self.cache.put(recs[i]["id"], f)
-                found[i] = f
+                found[i] = f.to(torch.bfloat16)
+                self.cache.put(recs[i]["id"], found[i])
         return found
 
     def fc_weight_for_checkpoint(self) -> torch.Tensor:
         """fc.weight acting on raw features: the trained weight with the feature scale folded in."""
         return (self.draft.fc.weight / self.feature_scale[None, :]).detach()
+
+    def load_drafter(self, path: Path) -> None:
+        """Starts from a public-format checkpoint: its fc.weight acts on raw features, so the feature scale
+        is multiplied back in (the inverse of fc_weight_for_checkpoint)."""
+        self.draft.load_weights(load_file(str(path / "model.safetensors"), device=str(self.device)))
+        with torch.no_grad():
+            self.draft.fc.weight.mul_(self.feature_scale[None, :])
+        self.draft.prepare_inference(self.device)
 
     def write_drafter(self, path: Path) -> None:
         """The drafter in the public checkpoint format (config.json + model.safetensors)."""
@@ -210,8 +231,9 @@ class DFlashTrainer:
     # ---- one sequence ----
     def sequence_loss(self, ids: list[int], prompt_len: int, feats: torch.Tensor, anchors: torch.Tensor):
         block = self.cfg.block_size
-        input_ids = torch.tensor(ids)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.autocast_bf16):
+        input_ids = torch.tensor(ids, device=self.device)
+        anchors = anchors.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             feats = feats.float() / self.feature_scale
             h = draft_blocks_forward(self.draft, feats, input_ids, anchors, block, self.cfg.attention)
             h = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:].flatten(0, 1)
@@ -257,7 +279,7 @@ class DFlashTrainer:
             chunk = seqs[start : start + self.cfg.seqs_per_step]
             feats = self.features(greedy[start : start + self.cfg.seqs_per_step], [s for s, _ in chunk])
             for (ids, plen), f in zip(chunk, feats):
-                anchors = torch.arange(plen, len(ids) - 1)
+                anchors = torch.arange(plen, len(ids) - 1, device=self.device)
                 if len(anchors) == 0:
                     continue
                 _, logits, labels = self.sequence_loss(ids, plen, f, anchors)
@@ -269,7 +291,7 @@ class DFlashTrainer:
     def eval_tau_worker(self, checkpoint: Path) -> float:
         """Greedy tau of the real DFlashWorker (our Engine) with this checkpoint on dev prompts."""
         prompts = [r["prompt_ids"] for r in self.dev[: self.cfg.eval_worker_prompts]]
-        return dev_tau(checkpoint, prompts, self.cfg.model_path, self.cfg.eval_max_new_tokens)
+        return dev_tau(checkpoint, prompts, self.cfg.model_path, self.cfg.eval_max_new_tokens, self.cfg.device)
 
     # ---- checkpoints ----
     def save(self, tag: str = "latest") -> Path:
@@ -278,7 +300,7 @@ class DFlashTrainer:
         if self.cache is not None:
             self.cache.flush()
         state = {"step": self.step, "opt": self.opt.state_dict(), "gen": self.gen.get_state(),
-                 "fc_weight": self.draft.fc.weight.detach().clone(), "feature_scale": self.feature_scale,
+                 "fc_weight": self.draft.fc.weight.detach().cpu(), "feature_scale": self.feature_scale.cpu(),
                  "torch_rng": torch.get_rng_state(), "history": self.history, "tokens_seen": self.tokens_seen,
                  "order": self.order, "cursor": self.cursor, "epoch": self.epoch,
                  "dev": [r["id"] for r in self.dev], "config": asdict(self.cfg)}
@@ -287,11 +309,11 @@ class DFlashTrainer:
 
     def resume(self, path: Path) -> None:
         state = torch.load(path / "train_state.pt", weights_only=False)
-        self.draft.load_weights(load_file(str(path / "model.safetensors")))
-        self.feature_scale = state["feature_scale"]
+        self.draft.load_weights(load_file(str(path / "model.safetensors"), device=str(self.device)))
+        self.feature_scale = state["feature_scale"].to(self.device)
         with torch.no_grad():  # the exact trained weight (the file has the scale folded in)
             self.draft.fc.weight.copy_(state["fc_weight"])
-        self.draft.prepare_inference(torch.device("cpu"))
+        self.draft.prepare_inference(self.device)
         self.opt.load_state_dict(state["opt"])
         self.gen.set_state(state["gen"])
         torch.set_rng_state(state["torch_rng"])
