@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,9 @@ import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the server-start helpers live with the server tests
+from server_helpers import free_port, wait_healthy  # noqa: E402
+
 CPU_SGLANG_ARGS = ("--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 8192 "
                    "--dtype float32 --sleep-on-idle")
 
@@ -97,12 +99,6 @@ def ours_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str]:
     return cmd + args.server_args.split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def running_server(cmd: list[str], port: int, log_path: Path, timeout: float = 600) -> Iterator[str]:
     """Starts `cmd` in its own process group, waits for /health, yields the base URL, kills the group."""
@@ -110,18 +106,7 @@ def running_server(cmd: list[str], port: int, log_path: Path, timeout: float = 6
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}); see {log_path}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy after {timeout}s; see {log_path}")
-            time.sleep(0.5)
+        wait_healthy(proc, url, timeout, f"server ({log_path})", lambda: log_path.read_text()[-3000:])
         yield url
     finally:
         if proc.poll() is None:
@@ -216,13 +201,20 @@ async def closed_loop(url: str, prompts: list[str], concurrency: int, args: argp
 
 
 # ---- server-side figures ----
+METRIC_KEYS = {  # ours: per-request accept lengths; SGLang: generated tokens and verify calls (its own ratio)
+    "sglang:spec_accept_length_per_request_sum": "sum", "sglang:spec_accept_length_per_request_count": "count",
+    "sglang:generation_tokens_total": "generated", "sglang:spec_verify_calls_total": "verify_calls",
+}
+
+
 def scrape(url: str) -> dict:
-    """Accept-length counters from /metrics and the scheduler's step timings from /get_server_info."""
-    out = {}
+    """Accept-length counters from /metrics (summed over label sets) and the scheduler's step timings from
+    /get_server_info (ours only)."""
+    out: dict = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        for key in ("sglang:spec_accept_length_per_request_sum", "sglang:spec_accept_length_per_request_count"):
-            if line.startswith(key):
-                out[key.rsplit("_", 1)[-1]] = float(line.split()[-1])
+        key = METRIC_KEYS.get(line.split("{")[0].split(" ")[0])
+        if key:
+            out[key] = out.get(key, 0.0) + float(line.split()[-1])
     info = httpx.get(f"{url}/get_server_info", timeout=30).json()
     for key in ("num_steps", "step_time_s", "host_gap_s", "num_host_gaps", "speculative_algorithm"):
         out[key] = info.get(key)
@@ -247,7 +239,8 @@ def level_stats(records: list[Record], wall: float, before: dict, after: dict) -
         "output_tok_s": tokens / wall if wall else 0.0,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
         "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
-        "accept_length": delta("sum") / delta("count") if delta("count") else None,
+        "accept_length": (delta("sum") / delta("count") if delta("count")
+                          else delta("generated") / delta("verify_calls") if delta("verify_calls") else None),
         "step_ms": 1000 * delta("step_time_s") / steps if steps else None,
         "host_gap_ms": 1000 * delta("host_gap_s") / gaps if gaps else None,
         "first_error": next((r.error for r in records if r.error), None),
