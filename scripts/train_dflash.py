@@ -47,7 +47,6 @@ def main() -> None:
     resuming = (latest / "train_state.pt").is_file()
     trainer = DFlashTrainer(cfg, records, resume_dir=latest if resuming else None)
     if resuming:
-        trainer.resume(latest)
         print(f"resumed at step {trainer.step}", flush=True)
     print(f"{len(trainer.order)} train / {len(trainer.dev)} dev records; draft vocab coverage "
           f"{trainer.vocab_coverage}", flush=True)

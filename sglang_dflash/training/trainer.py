@@ -93,8 +93,8 @@ def sample_anchors(prompt_len: int, seq_len: int, count: int, gen: torch.Generat
 
 class DFlashTrainer:
     def __init__(self, cfg: TrainConfig, records: list[dict], resume_dir: Path | None = None):
-        """`resume_dir`: a checkpoint whose draft config (incl. its draft vocabulary) is kept; call
-        resume() to load its weights and state."""
+        """`resume_dir`: a training checkpoint to continue exactly (its draft config, incl. the draft
+        vocabulary, weights, optimizer, data order and RNG state)."""
         if cfg.attention == "flex":  # measured: torch 2.13 raises NotImplementedError in flex backward on CPU
             raise ValueError("attention='flex' needs a GPU: flex_attention has no backward on CPU; use 'sdpa'")
         self.cfg = cfg
@@ -138,14 +138,17 @@ class DFlashTrainer:
         if cfg.feature_cache:
             layers = tuple(dcfg.target_layer_ids)
             self.cache = FeatureCache(Path(cfg.feature_cache), str(cfg.model_path), layers, cfg.max_len)
-        self.feature_scale = self.measure_feature_scale([self.records[i] for i in self.order[:16]])
-        if cfg.init_from and resume_dir is None:
-            self.load_drafter(Path(cfg.init_from))
+        if resume_dir is None:  # (a resumed run takes the scale from its checkpoint)
+            self.feature_scale = self.measure_feature_scale([self.records[i] for i in self.order[:16]])
+            if cfg.init_from:
+                self.load_drafter(Path(cfg.init_from))
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict] = []
         self.tokens_seen = 0
+        if resume_dir is not None:
+            self.resume(resume_dir)
 
     # ---- data ----
     def add_records(self, records: list[dict]) -> int:
