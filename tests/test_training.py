@@ -228,7 +228,9 @@ def test_init_from_a_written_drafter_continues_the_same_function(tiny_target: Pa
                           records(6, seed=9))
     first.run()
     cfg = train_config(tmp_path / "b", tiny_target, draft_vocab_size=None, init_from=str(tmp_path / "a" / "latest"))
-    second = DFlashTrainer(cfg, records(6, seed=10, prefix="new"))
+    dev_ids = [f"d{i}" for i in range(400) if is_dev_record(f"d{i}")][:2]
+    dev = [dict(r, id=i) for r, i in zip(records(2, seed=11, prefix="x"), dev_ids)]
+    second = DFlashTrainer(cfg, records(6, seed=10, prefix="new") + dev)
     assert second.draft.config.draft_vocab == first.draft.config.draft_vocab
     assert not torch.allclose(second.feature_scale, first.feature_scale)
     raw = torch.randn(9, 64) * 30
@@ -237,3 +239,5 @@ def test_init_from_a_written_drafter_continues_the_same_function(tiny_target: Pa
                                    first.draft.project_context(raw / first.feature_scale), rtol=1e-4, atol=1e-4)
     recs = [r for r in records(6, seed=10, prefix="new") if not is_dev_record(r["id"])][:2]
     torch.testing.assert_close(fixed_batch_loss(second, recs), fixed_batch_loss(first, recs), rtol=1e-4, atol=1e-4)
+    second.run(max_steps=1)  # the starting point is evaluated first: the curve's step 0
+    assert [h["step"] for h in second.history] == [0, 1] and 1.0 <= second.history[0]["dev_tau_teacher_forced"] <= BLOCK

@@ -289,7 +289,7 @@ class DFlashTrainer:
                 hits = (logits.argmax(-1) == labels) & (labels >= 0)
                 run = hits.long().cumprod(1).sum(1)
                 taus.append(float((run + 1).float().mean()))
-        return sum(taus) / max(len(taus), 1)
+        return sum(taus) / len(taus) if taus else float("nan")
 
     def eval_tau_worker(self, checkpoint: Path) -> float:
         """Greedy tau of the real DFlashWorker (our Engine) with this checkpoint on dev prompts."""
@@ -327,29 +327,36 @@ class DFlashTrainer:
         self.order, self.cursor, self.epoch = known + unseen, state["cursor"], state["epoch"]
         self.dev = [self.records[i] for i in state["dev"] if i in self.records]
 
+    def evaluate(self, stats: dict, wall_s: float, log_path: Path | None) -> None:
+        """Adds the dev-set taus to `stats`, appends it to the history (and the log file) and prints it."""
+        stats["dev_tau_teacher_forced"] = self.eval_tau_teacher_forced()
+        if self.cfg.eval_worker_prompts:
+            self.write_drafter(self.out / "eval")
+            stats["dev_tau"] = self.eval_tau_worker(self.out / "eval")
+        stats.update(tokens_seen=self.tokens_seen, train_records=len(self.order), epoch=self.epoch,
+                     wall_s=round(wall_s, 1))
+        self.history.append(stats)
+        if log_path:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(stats) + "\n")
+        tqdm.write(json.dumps(stats))
+
     def run(self, max_steps: int | None = None, log_path: Path | None = None, reload=None) -> None:
-        """Trains until total_steps (or max_steps more). `reload()` -> new records, called at checkpoints."""
+        """Trains until total_steps (or max_steps more). `reload()` -> new records, called at checkpoints.
+        A run started from a checkpoint (--init-from) first evaluates it: the curve's step 0."""
         cfg = self.cfg
         end = min(cfg.total_steps, self.step + max_steps) if max_steps else cfg.total_steps
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
         t0, tok0 = time.perf_counter(), self.tokens_seen
+        if self.step == 0 and cfg.init_from:
+            self.evaluate({"step": 0, "init_from": cfg.init_from}, 0.0, log_path)
         while self.step < end:
             stats = self.train_step()
             bar.update(1)
             rate = (self.tokens_seen - tok0) / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{rate:.0f}", data=len(self.order))
             if self.step % cfg.eval_every == 0 or self.step == end:
-                stats["dev_tau_teacher_forced"] = self.eval_tau_teacher_forced()
-                if cfg.eval_worker_prompts:
-                    self.write_drafter(self.out / "eval")
-                    stats["dev_tau"] = self.eval_tau_worker(self.out / "eval")
-                stats.update(tokens_seen=self.tokens_seen, train_records=len(self.order), epoch=self.epoch,
-                             wall_s=round(time.perf_counter() - t0, 1))
-                self.history.append(stats)
-                if log_path:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(stats) + "\n")
-                tqdm.write(json.dumps(stats))
+                self.evaluate(stats, time.perf_counter() - t0, log_path)
             if self.step % cfg.ckpt_every == 0 or self.step == end:
                 self.save()
                 if reload is not None:
