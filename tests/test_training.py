@@ -241,3 +241,12 @@ def test_init_from_a_written_drafter_continues_the_same_function(tiny_target: Pa
     torch.testing.assert_close(fixed_batch_loss(second, recs), fixed_batch_loss(first, recs), rtol=1e-4, atol=1e-4)
     second.run(max_steps=1)  # the starting point is evaluated first: the curve's step 0
     assert [h["step"] for h in second.history] == [0, 1] and 1.0 <= second.history[0]["dev_tau_teacher_forced"] <= BLOCK
+
+
+def test_teacher_forced_eval_skips_dev_prompts_longer_than_max_len(tiny_target: Path, tmp_path: Path):
+    dev_ids = [f"d{i}" for i in range(400) if is_dev_record(f"d{i}")][:2]
+    long = dict(records(1, seed=12)[0], id=dev_ids[0], prompt_ids=[7] * 70)  # max_len is 64
+    short = dict(records(1, seed=13)[0], id=dev_ids[1])
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target), records(4, seed=14) + [long, short])
+    assert [r["id"] for r in trainer.dev] == dev_ids
+    assert 1.0 <= trainer.eval_tau_teacher_forced() <= BLOCK

@@ -282,9 +282,9 @@ class DFlashTrainer:
             chunk = seqs[start : start + self.cfg.seqs_per_step]
             feats = self.features(greedy[start : start + self.cfg.seqs_per_step], [s for s, _ in chunk])
             for (ids, plen), f in zip(chunk, feats):
-                anchors = torch.arange(plen, len(ids) - 1, device=self.device)
-                if len(anchors) == 0:
+                if len(ids) - 1 <= plen:  # no response left within max_len
                     continue
+                anchors = torch.arange(plen, len(ids) - 1, device=self.device)
                 _, logits, labels = self.sequence_loss(ids, plen, f, anchors)
                 hits = (logits.argmax(-1) == labels) & (labels >= 0)
                 run = hits.long().cumprod(1).sum(1)
