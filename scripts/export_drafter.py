@@ -37,16 +37,16 @@ def bench_table(results: list[dict]) -> str:
     """Markdown table of scripts/bench_speculative.py results (greedy, batch 1)."""
     rows = [
         f"| {r['dataset']} | {r['num_prompts']} | {r['max_new_tokens']} | {r['block_size']} | "
-        f"{r['dflash']['tau']:.2f} | "
+        f"{r.get('dtype', 'bfloat16')} | {r['dflash']['tau']:.2f} | "
         f"{r['ar']['decode_tok_per_s']:.1f} ({r.get('ar_prompts', r['num_prompts'])} prompts) | "
         f"{r['dflash']['decode_tok_per_s']:.1f} | {r['speedup']:.2f}x | {r['step_time_ratio']:.2f} |"
         for r in results
     ]
     return "\n".join([
-        "## Acceptance and speed (`scripts/bench_speculative.py`, greedy, batch 1, bf16, CPU)", "",
-        "| dataset | prompts | new tokens | block | tau | AR tok/s | DFLASH tok/s | DFLASH / AR "
+        "## Acceptance and speed (`scripts/bench_speculative.py`, greedy, batch 1, CPU)", "",
+        "| dataset | prompts | new tokens | block | dtype | tau | AR tok/s | DFLASH tok/s | DFLASH / AR "
         "| DFLASH step / AR step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
     ])
 
 
@@ -69,8 +69,9 @@ def main() -> None:
     plot_curve(history, args.out / "learning_curve.png")
     train_cfg = state["config"]
     rows = "\n".join(
-        f"| {h['step']} | {h['tokens_seen'] / 1e6:.2f} | {h['loss']:.3f} | {h.get('dev_tau', float('nan')):.2f} | "
-        f"{h['dev_tau_teacher_forced']:.2f} | {h.get('wall_s', float('nan')) / 60:.0f} |" for h in history
+        f"| {h['step']} | {h['tokens_seen'] / 1e6:.2f} | {h.get('loss', float('nan')):.3f} | "
+        f"{h.get('dev_tau', float('nan')):.2f} | {h['dev_tau_teacher_forced']:.2f} | "
+        f"{h.get('wall_s', float('nan')) / 60:.0f} |" for h in history
     )
     dc = config["dflash_config"]
     card = f"""# DFlash drafter for SmolLM2-135M-Instruct
