@@ -11,6 +11,9 @@ import os
 import torch
 
 ENV_VAR = "SGLANG_DFLASH_KERNELS"
+# rejection sampling in fixed point (identical draws in torch and Triton): probabilities x 2^32, 24-bit uniforms
+PROB_SCALE = 2.0**32
+UNIFORM_BITS = 24
 _TRITON_DEVICES = ("cuda", "xpu")
 
 
@@ -40,3 +43,8 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if forced:
         raise ValueError(f"{ENV_VAR} must be 'torch' or 'triton', got {forced!r}")
     return tensor.device.type in _TRITON_DEVICES and triton_available()
+
+
+def strides(*tensors: torch.Tensor) -> list[int]:
+    """Every stride of each tensor, in order: the stride arguments of the Triton kernels."""
+    return [s for t in tensors for s in t.stride()]

@@ -1,6 +1,7 @@
 """Just-in-time draft context KV: per-layer K RMSNorm + neox RoPE, fused write into the draft KV pool."""
 
 import torch
+
 from sglang_dflash.kernels.backend import use_triton
 
 
@@ -12,17 +13,9 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim:
 
 
 def materialize_draft_kv_torch(
-    kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    rotary_dim: int,
-    eps: float,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    out_cache_loc: torch.Tensor,
+    kv, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps, k_buffer, v_buffer, out_cache_loc
 ) -> None:
-    """kv [N, L, 2, nKV, hd] -> k_buffer/v_buffer [L, slots, nKV, hd] at out_cache_loc [N]."""
+    """Torch reference of `materialize_draft_kv`."""
     k = kv[:, :, 0].float()
     k = k * torch.rsqrt(k.pow(2).mean(dim=-1, keepdim=True) + eps) * k_norm_weight.float()[None, :, None]
     cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
@@ -43,10 +36,16 @@ def materialize_draft_kv(
     v_buffer: torch.Tensor,
     out_cache_loc: torch.Tensor,
 ) -> None:
-    args = (kv, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps, k_buffer, v_buffer, out_cache_loc)
+    """kv [N, L, 2, nKV, hd] -> k_buffer/v_buffer [L, slots, nKV, hd] at out_cache_loc [N]: K is RMSNormed
+    (k_norm_weight [L, hd]) and rotated at positions [N] (cos_sin_cache [max_pos, rotary_dim] = [cos | sin]).
+    Any strides; in place."""
+    n, layers, two, heads, head_dim = kv.shape
+    assert two == 2 and rotary_dim % 2 == 0 and rotary_dim <= head_dim, (kv.shape, rotary_dim)
+    assert k_norm_weight.shape == (layers, head_dim) and cos_sin_cache.shape[1] == rotary_dim
+    assert positions.shape == out_cache_loc.shape == (n,)
+    assert k_buffer.shape == v_buffer.shape and k_buffer.shape[0] == layers and k_buffer.shape[2:] == (heads, head_dim)
     if use_triton(kv):
-        from sglang_dflash.kernels.draft_kv_triton import materialize_draft_kv_triton
-
-        materialize_draft_kv_triton(*args)
+        from sglang_dflash.kernels.draft_kv_triton import materialize_draft_kv_triton as impl
     else:
-        materialize_draft_kv_torch(*args)
+        impl = materialize_draft_kv_torch
+    impl(kv, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps, k_buffer, v_buffer, out_cache_loc)

@@ -1,37 +1,18 @@
 """Triton version of `materialize_draft_kv`: one program per (token, layer), all KV heads at once."""
 
-import torch
 import triton
 import triton.language as tl
+
+from sglang_dflash.kernels.backend import strides
 
 
 @triton.jit
 def _materialize_draft_kv_kernel(
-    kv_ptr,
-    w_ptr,
-    pos_ptr,
-    cos_sin_ptr,
-    k_buf_ptr,
-    v_buf_ptr,
-    loc_ptr,
-    kv_stride_n,
-    kv_stride_l,
-    kv_stride_kv,
-    kv_stride_h,
-    w_stride_l,
-    cos_sin_stride,
-    kb_stride_l,
-    kb_stride_slot,
-    kb_stride_h,
-    vb_stride_l,
-    vb_stride_slot,
-    vb_stride_h,
-    num_heads,
-    head_dim,
-    eps,
-    HALF_ROT: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    kv_ptr, w_ptr, pos_ptr, cos_sin_ptr, k_buf_ptr, v_buf_ptr, loc_ptr,
+    kv_stride_n, kv_stride_l, kv_stride_kv, kv_stride_h, kv_stride_d, w_stride_l, w_stride_d, pos_stride,
+    cs_stride_p, cs_stride_d, kb_stride_l, kb_stride_slot, kb_stride_h, kb_stride_d,
+    vb_stride_l, vb_stride_slot, vb_stride_h, vb_stride_d, loc_stride,
+    num_heads, head_dim, eps, HALF_ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
@@ -44,71 +25,37 @@ def _materialize_draft_kv_kernel(
     freq = tl.where(low, dims, dims - HALF_ROT)
 
     k_src = kv_ptr + token * kv_stride_n + layer * kv_stride_l + heads * kv_stride_h
-    x = tl.load(k_src + dims, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(k_src + partner, mask=mask & rotated, other=0.0).to(tl.float32)
+    x = tl.load(k_src + dims * kv_stride_d, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(k_src + partner * kv_stride_d, mask=mask & rotated, other=0.0).to(tl.float32)
     w_row = w_ptr + layer * w_stride_l
-    w = tl.load(w_row + dims, mask=dims < head_dim, other=0.0).to(tl.float32)
-    w_partner = tl.load(w_row + partner, mask=rotated, other=0.0).to(tl.float32)
+    w = tl.load(w_row + dims * w_stride_d, mask=dims < head_dim, other=0.0).to(tl.float32)
+    w_partner = tl.load(w_row + partner * w_stride_d, mask=rotated, other=0.0).to(tl.float32)
 
     scale = tl.rsqrt(tl.sum(x * x, axis=1) / head_dim + eps)[:, None]
     y = x * scale * w
     y_partner = x_partner * scale * w_partner
-    cs_row = cos_sin_ptr + tl.load(pos_ptr + token).to(tl.int64) * cos_sin_stride
-    cos = tl.load(cs_row + freq, mask=rotated, other=1.0)
-    sin = tl.load(cs_row + HALF_ROT + freq, mask=rotated, other=0.0)
+    cs_row = cos_sin_ptr + tl.load(pos_ptr + token * pos_stride).to(tl.int64) * cs_stride_p
+    cos = tl.load(cs_row + freq * cs_stride_d, mask=rotated, other=1.0)
+    sin = tl.load(cs_row + (HALF_ROT + freq) * cs_stride_d, mask=rotated, other=0.0)
     y_partner = tl.where(low, -y_partner, y_partner)
     out = tl.where(rotated, y * cos + y_partner * sin, y)
 
-    slot = tl.load(loc_ptr + token).to(tl.int64)
-    k_dst = k_buf_ptr + layer * kb_stride_l + slot * kb_stride_slot + heads * kb_stride_h + dims
+    slot = tl.load(loc_ptr + token * loc_stride).to(tl.int64)
+    k_dst = k_buf_ptr + layer * kb_stride_l + slot * kb_stride_slot + heads * kb_stride_h + dims * kb_stride_d
     tl.store(k_dst, out.to(k_buf_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(k_src + kv_stride_kv + dims, mask=mask)
-    v_dst = v_buf_ptr + layer * vb_stride_l + slot * vb_stride_slot + heads * vb_stride_h + dims
+    v = tl.load(k_src + kv_stride_kv + dims * kv_stride_d, mask=mask)
+    v_dst = v_buf_ptr + layer * vb_stride_l + slot * vb_stride_slot + heads * vb_stride_h + dims * vb_stride_d
     tl.store(v_dst, v.to(v_buf_ptr.dtype.element_ty), mask=mask)
 
 
 def materialize_draft_kv_triton(
-    kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    rotary_dim: int,
-    eps: float,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    out_cache_loc: torch.Tensor,
+    kv, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps, k_buffer, v_buffer, out_cache_loc
 ) -> None:
     num_tokens, num_layers, _, num_heads, head_dim = kv.shape
     if num_tokens == 0:
         return
-    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, (rotary_dim, head_dim)
-    for t in (kv, k_norm_weight, cos_sin_cache, k_buffer, v_buffer):
-        assert t.stride(-1) == 1, "innermost dim must be contiguous"
+    tensors = (kv, k_norm_weight, positions, cos_sin_cache, k_buffer, v_buffer, out_cache_loc)
     _materialize_draft_kv_kernel[(num_tokens, num_layers)](
-        kv,
-        k_norm_weight,
-        positions,
-        cos_sin_cache,
-        k_buffer,
-        v_buffer,
-        out_cache_loc,
-        kv.stride(0),
-        kv.stride(1),
-        kv.stride(2),
-        kv.stride(3),
-        k_norm_weight.stride(0),
-        cos_sin_cache.stride(0),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        k_buffer.stride(2),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        v_buffer.stride(2),
-        num_heads,
-        head_dim,
-        eps,
-        HALF_ROT=rotary_dim // 2,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        *tensors, *strides(*tensors), num_heads, head_dim, eps, HALF_ROT=rotary_dim // 2,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
     )

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_dflash.engine.forward_batch import ForwardMode
-from sglang_dflash.engine.sampling_params import SamplingParams
-from sglang_dflash.engine.tokenizer import IncrementalDetokenizer
+from sglang_dflash.runtime.forward_batch import ForwardMode
+from sglang_dflash.runtime.tokenizer import IncrementalDetokenizer
+from sglang_dflash.sampling.sampling_params import SamplingParams
 
 
 class Req:
@@ -42,11 +42,15 @@ class Req:
         self.created_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
-        self.sent_text_len = 0
+        self.sent_text_len = 0  # text and ids already handed out (streaming)
+        self.sent_ids = 0
         self.spec_verify_ct = 0
         self.spec_accepted_drafts = 0
         self.spec_draft_slots = 0
         self.spec_histogram: list[int] = []  # [k] = verify steps that committed k + 1 tokens
+        self.spec_block_histogram: list[int] = []  # [b - 1] = verify steps with a block of b tokens
+        self.spec_sources: dict[str, int] = {}  # verify steps per proposal source (dflash, lookup, none)
+        self.spec_state = None  # the speculative worker's per-request proposer state
         self.retracted_count = 0
 
     @property
@@ -59,10 +63,6 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
-
-    def in_prefill(self) -> bool:
-        """True until the cache covers all of fill_ids but the last token (the next input)."""
-        return not self.output_ids or self.kv_committed_len < self.seq_len - 1
 
     def append_token(self, token: int) -> None:
         """Adds one generated token and checks the stop conditions in SGLang's order."""
@@ -100,6 +100,17 @@ class Req:
         hold = max(map(len, self.sampling_params.stop)) - 1
         return text[: max(self.sent_text_len, len(text) - hold)]
 
+    def take_delta(self) -> tuple[str, list[int]] | None:
+        """The streamable text and the ids new since the last call; None when there is nothing to send."""
+        text = self.streamable_text()
+        delta = text[self.sent_text_len :]
+        self.sent_text_len = max(self.sent_text_len, len(text))
+        ids = self.output_ids[self.sent_ids :]
+        self.sent_ids = len(self.output_ids)
+        if not (delta or ids or self.finished()):
+            return None
+        return delta, ids
+
     def meta_info(self) -> dict:
         end = self.finished_time or time.perf_counter()
         info = {
@@ -114,6 +125,8 @@ class Req:
             info["spec_accept_length"] = (self.spec_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct
             info["spec_accept_rate"] = self.spec_accepted_drafts / max(self.spec_draft_slots, 1)
             info["spec_accept_histogram"] = list(self.spec_histogram)
+            info["spec_block_histogram"] = list(self.spec_block_histogram)
+            info["spec_source_steps"] = dict(self.spec_sources)
         return info
 
 
@@ -131,6 +144,7 @@ class ScheduleBatch:
     kv_bound: int = field(init=False)  # max slots allocated to a request: bounds every sequence length
     input_ids: list[int] = field(init=False)  # EXTEND: the new tokens, flat
     sample_rows: list[int] = field(init=False)  # requests that get a next token from this step
+    host_current: bool = True  # the requests' host state includes every earlier step (no batch in flight)
 
     def __post_init__(self) -> None:
         self.req_pool_indices = [r.req_pool_idx for r in self.reqs]
@@ -160,6 +174,7 @@ class GenerationBatchResult:
     out_tokens: torch.Tensor
     accept_lens: torch.Tensor | None = None
     block_sizes: list[int] | None = None
+    plans: list | None = None  # the speculative plan of each request (source, block length)
 
     def resolve(self) -> tuple[list[list[int]], list[int] | None]:
         """(tokens per request, accepted drafts per request) on the host: the one sync point."""

@@ -9,10 +9,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
-from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
 
-from sglang_dflash.engine.forward_batch import ForwardMode
-from sglang_dflash.engine.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sglang_dflash.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sglang_dflash.runtime.forward_batch import ForwardMode
+from sglang_dflash.scheduler.isolation import run_isolated
+from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,6 @@ class Worker(Protocol):
     def validate_request(self, req: Req) -> None: ...
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult: ...
-
 
 class Scheduler:
     def __init__(
@@ -46,21 +46,26 @@ class Scheduler:
         self.num_retractions = 0
         self.finished_by_error: list[Req] = []
         self.enable_overlap = enable_overlap
-        # overlap: decode steps allocate for the in-flight block and the next one (REFERENCE.md 7)
-        self.lookahead_blocks = 2 if enable_overlap else 1
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="device") if enable_overlap else None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="device")  # its thread starts on first use
         self.in_flight: tuple[ScheduleBatch, Future] | None = None
         self.launched = 0  # batches launched / completed, to know when freed memory is safe to reuse
         self.completed = 0
         self.deferred_frees: list[tuple[int, int, torch.Tensor]] = []  # (batch tag, req row, token slots)
 
+    @property
+    def lookahead_blocks(self) -> int:
+        """Decode steps allocate for the block in flight and, with overlap, the next one."""
+        return 2 if self.enable_overlap else 1
+
     # ---- requests in and out ----
     def add_request(self, req: Req) -> None:
         self.worker.validate_request(req)
-        need = req.seq_len + self.lookahead_blocks * self.worker.tokens_per_decode_step(req)
-        if need > self.allocator.size:
+        reach = self.lookahead_blocks * self.worker.tokens_per_decode_step(req)
+        prompt, new = len(req.origin_input_ids), req.sampling_params.max_new_tokens
+        if prompt + new + reach > self.allocator.size:  # it could never finish, even alone
             raise ValueError(
-                f"prompt of {req.seq_len} tokens does not fit the KV pool ({self.allocator.size} tokens)"
+                f"max_tokens: {prompt} prompt tokens + {new} new tokens (+ {reach} in flight) do not fit the "
+                f"KV cache pool of {self.allocator.size} tokens; lower max_tokens or shorten the prompt"
             )
         self.waiting_queue.append(req)
 
@@ -75,11 +80,15 @@ class Scheduler:
                     return req
         return None
 
+    def abort_all(self, message: str) -> list[Req]:
+        """Finishes every request (shutdown, a failed step); returns them."""
+        reqs = list(self.waiting_queue) + list(self.prefilling) + list(self.running)
+        for req in reqs:
+            self.abort_request(req.rid, message)
+        return reqs
+
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.prefilling or self.running or self.in_flight)
-
-    def num_requests(self) -> int:
-        return len(self.waiting_queue) + len(self.prefilling) + len(self.running)
 
     # ---- memory ----
     def release(self, req: Req) -> None:
@@ -195,7 +204,15 @@ class Scheduler:
 
     # ---- steps ----
     def run_step(self) -> list[Req]:
+        """One iteration of the loop (overlapped or plain, as configured); the requests it touched."""
         return self.step_overlap() if self.enable_overlap else self.step()
+
+    def land(self) -> list[Req]:
+        """Runs until no batch is in flight, so the host has every result."""
+        touched = []
+        while self.in_flight is not None:
+            touched += self.run_step()
+        return touched
 
     def step(self) -> list[Req]:
         """Runs one batch and processes it; returns the requests that got tokens or finished."""
@@ -203,12 +220,9 @@ class Scheduler:
         batch = self.get_next_batch_to_run()
         if batch is None:
             return self.finished_by_error
-        self.launched += 1
-        try:
-            result = self.worker.forward_batch_generation(batch)
-        finally:  # a failed batch is over too: its requests' memory may be freed
-            self.completed += 1
-        return self.finished_by_error + self.process_batch_result(batch, result)
+        batch, result, failed = run_isolated(self, batch)  # a request that breaks the batch fails alone
+        touched = self.finished_by_error + failed
+        return touched + (self.process_batch_result(batch, result) if batch is not None else [])
 
     def step_overlap(self) -> list[Req]:
         """Spec-V2 style: launch batch N on the device thread, then process batch N-1 meanwhile."""
@@ -217,6 +231,7 @@ class Scheduler:
         batch = None if (needs_history and self.in_flight) else self.get_next_batch_to_run()
         launched = None
         if batch is not None:
+            batch.host_current = self.in_flight is None
             self.launched += 1
             launched = (batch, self.executor.submit(self.worker.forward_batch_generation, batch))
         touched = list(self.finished_by_error)
@@ -249,7 +264,7 @@ class Scheduler:
             if not batch.forward_mode.is_extend():
                 req.kv_committed_len += len(tokens)
                 if accept_lens is not None:
-                    record_spec_step(req, accept_lens[i], result.block_sizes[i])
+                    record_spec_step(req, accept_lens[i], result.block_sizes[i], result.plans[i].source)
             for t in tokens:
                 req.append_token(t)
                 if req.finished():
@@ -266,15 +281,17 @@ class Scheduler:
         return touched
 
     def shutdown(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=True)
+        self.executor.shutdown(wait=True)
 
 
-def record_spec_step(req: Req, accepted: int, block_size: int) -> None:
+def record_spec_step(req: Req, accepted: int, block_size: int, source: str) -> None:
     """Counts one verify step that committed accepted + 1 tokens out of a block of block_size."""
     req.spec_verify_ct += 1
     req.spec_accepted_drafts += accepted
     req.spec_draft_slots += block_size - 1
-    if len(req.spec_histogram) < block_size:
-        req.spec_histogram.extend([0] * (block_size - len(req.spec_histogram)))
+    for hist in (req.spec_histogram, req.spec_block_histogram):
+        if len(hist) < block_size:
+            hist.extend([0] * (block_size - len(hist)))
     req.spec_histogram[accepted] += 1
+    req.spec_block_histogram[block_size - 1] += 1
+    req.spec_sources[source] = req.spec_sources.get(source, 0) + 1

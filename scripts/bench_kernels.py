@@ -15,15 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from sglang_dflash import device as dev
 from sglang_dflash.kernels import (
     greedy_accept_torch,
     materialize_draft_kv_torch,
-    prepare_draft_block_torch,
     sampling_accept_torch,
     triton_available,
 )
-
-from sglang_dflash import device as dev
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 5, 8, 128, 16
 Case = tuple[str, str, Callable[[], object], Callable[[], object] | None]
@@ -101,43 +100,19 @@ def greedy_case(bs: int, device: torch.device, triton: bool) -> Case:
     return "greedy_accept", f"bs={bs} B={BLOCK}", lambda: greedy_accept_torch(*args), fast
 
 
-def sampling_case(bs: int, vocab: int, point_mass: bool, device: torch.device, triton: bool) -> Case:
+def sampling_case(bs: int, vocab: int, device: torch.device, triton: bool) -> Case:
     p = torch.softmax(torch.randn(bs, BLOCK, vocab, device=device) * 4, dim=-1)
-    q = None if point_mass else torch.softmax(torch.randn(bs, BLOCK, vocab, device=device) * 4, dim=-1)
     drafts = p.argmax(dim=-1)
     candidates = torch.cat([drafts[:, :1], drafts[:, :-1]], dim=1)
     block_lens = torch.full((bs,), BLOCK, device=device)
-    uniforms = torch.rand(bs, BLOCK, device=device)
-    args = (p, candidates, q, block_lens, uniforms, torch.rand(bs, device=device))
+    uniforms = torch.rand(bs, BLOCK + 1, device=device)  # the column views the workers pass
+    args = (p, candidates, block_lens, uniforms[:, :BLOCK], uniforms[:, BLOCK])
     fast = None
     if triton:
         from sglang_dflash.kernels.sampling_triton import sampling_accept_triton
 
         fast = lambda: sampling_accept_triton(*args)
-    name = "sampling_accept" + ("(point)" if point_mass else "(q)")
-    return name, f"bs={bs} B={BLOCK} V={vocab}", lambda: sampling_accept_torch(*args), fast
-
-
-def block_case(bs: int, device: torch.device, triton: bool) -> Case:
-    max_len = 4096
-    table = torch.randint(0, 1 << 20, (bs + 8, max_len), device=device, dtype=torch.int32)
-    seq_lens = torch.randint(0, max_len - BLOCK, (bs,), device=device)
-    args = (
-        torch.randint(0, 1000, (bs,), device=device),
-        seq_lens,
-        torch.randperm(bs + 8, device=device)[:bs],
-    )
-    fast = None
-    if triton:
-        from sglang_dflash.kernels.draft_block_triton import prepare_draft_block_triton
-
-        fast = lambda: prepare_draft_block_triton(*args, table, BLOCK, 7)
-    return (
-        "prepare_draft_block",
-        f"bs={bs} B={BLOCK}",
-        lambda: prepare_draft_block_torch(*args, table, BLOCK, 7),
-        fast,
-    )
+    return "sampling_accept", f"bs={bs} B={BLOCK} V={vocab}", lambda: sampling_accept_torch(*args), fast
 
 
 def main() -> None:
@@ -159,9 +134,7 @@ def main() -> None:
     for bs in map(int, args.batch.split(",")):
         cases += [
             lambda bs=bs: greedy_case(bs, device, triton),
-            lambda bs=bs: sampling_case(bs, args.vocab, True, device, triton),
-            lambda bs=bs: sampling_case(bs, args.vocab, False, device, triton),
-            lambda bs=bs: block_case(bs, device, triton),
+            lambda bs=bs: sampling_case(bs, args.vocab, device, triton),
         ]
     rows = []
     print(f"{'kernel':<22} {'shape':<32} {'torch ms':>9} {'triton ms':>9} {'speedup':>7}  match")

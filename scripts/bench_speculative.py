@@ -1,10 +1,12 @@
-"""Speculative decoding benchmark: AR vs DFLASH on the same target, greedy, batch 1, chat template.
+"""Speculative decoding benchmark: AR and DFLASH modes side by side on the same target, greedy, batch 1.
 
-Reports tau (REFERENCE.md section 4: per request the mean committed tokens per verify step, then the
-mean over requests), the acceptance histogram, decode tokens/s of each (prefill excluded: timed from
-the first streamed token) and their ratio; writes JSON and a PNG of acceptance per block position.
+Modes: ar; fixed16 / fixed4 (DFlash proposals, fixed block); adaptive (per-step block size, DFlash only);
+default (adaptive + context lookup, the engine's defaults). Reports tau (per request the mean committed
+tokens per verify step, then the mean over requests), the acceptance histogram, the share of steps per
+proposal source, decode tokens/s (prefill excluded: timed from the first streamed token) and the ratio
+to AR; writes JSON and a PNG of tokens/s per mode.
 
-  python scripts/bench_speculative.py --dataset humaneval --num-prompts 20 --draft PATH
+  python scripts/bench_speculative.py --dataset humaneval --num-prompts 40
   python scripts/bench_speculative.py --draft random --num-prompts 5 --max-new-tokens 64   # pure overhead
   python scripts/bench_speculative.py --oracle 0.1 --num-prompts 5 --max-new-tokens 64     # oracle drafter
 """
@@ -29,7 +31,7 @@ from sglang_dflash import Engine  # noqa: E402
 from sglang_dflash.models.config import ModelConfig  # noqa: E402
 from sglang_dflash.models.model_store import resolve_model_dir  # noqa: E402
 from sglang_dflash.server_args import ServerArgs  # noqa: E402
-from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER  # noqa: E402
+from sglang_dflash.speculative.drafter import DEFAULT_DRAFTER  # noqa: E402
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
 
@@ -76,6 +78,10 @@ def summarise(runs: list[dict]) -> dict:
     metas = [r["meta_info"] for r in runs if r["meta_info"].get("spec_verify_ct")]
     if not metas:
         return out
+    sources: dict[str, int] = {}
+    for m in metas:
+        for k, v in m["spec_source_steps"].items():
+            sources[k] = sources.get(k, 0) + v
     hists = [m["spec_accept_histogram"] for m in metas]
     hist = [sum(h[k] for h in hists if k < len(h)) for k in range(max(map(len, hists)))]
     steps = sum(hist)
@@ -87,6 +93,7 @@ def summarise(runs: list[dict]) -> dict:
         reach_fraction=[sum(hist[k:]) / steps for k in range(1, len(hist))],  # accepted run reached position k
         verify_steps=verify_ct,
         step_s=seconds / verify_ct,
+        source_share={k: v / verify_ct for k, v in sorted(sources.items())},
     )
     return out
 
@@ -97,13 +104,11 @@ def plot(path: Path, result: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    reach = result["dflash"]["reach_fraction"]
+    modes = list(result["modes"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(range(1, len(reach) + 1), reach)
-    ax.set_xlabel("block position k")
-    ax.set_ylabel("fraction of verify steps accepting up to k")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{result['label']}: tau {result['dflash']['tau']:.2f}, speedup {result['speedup']:.2f}x")
+    ax.bar(modes, [result["modes"][m]["decode_tok_per_s"] for m in modes])
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(f"{result['label']}, {result['dataset']} x{result['num_prompts']}, {result['dtype']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -120,6 +125,16 @@ def resolve_draft(arg: str | None, oracle: bool, model_path: str | None, tmp: Pa
     return Path(arg), Path(arg).name
 
 
+
+MODES = {
+    "ar": None,
+    "fixed16": {"speculative_num_draft_tokens": 16, "speculative_adaptive": False, "speculative_lookup": False},
+    "fixed4": {"speculative_num_draft_tokens": 4, "speculative_adaptive": False, "speculative_lookup": False},
+    "adaptive": {"speculative_adaptive": True, "speculative_lookup": False},
+    "default": {},
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", choices=["humaneval", "mtbench"], default="humaneval")
@@ -127,64 +142,80 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model-path", default=None, help="target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="drafter directory, or 'random' (default: the shipped drafter)")
-    ap.add_argument("--block-size", type=int, default=None, help="speculative_num_draft_tokens (default: drafter's)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")
     ap.add_argument("--oracle", type=float, default=None, metavar="ERROR_RATE",
-                    help="propose the AR continuation, each token wrong with this probability (draft still runs)")
+                    help="DFlash proposes the AR continuation, each token wrong with this probability (draft runs)")
     ap.add_argument("--ar-prompts", type=int, default=None,
-                    help="time AR on only the first N prompts (its per-token speed barely depends on the prompt)")
+                    help="run AR on the first N prompts only (its per-token speed barely depends on the prompt)")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where native, else float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=Path("bench_speculative.json"))
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"unknown modes {sorted(unknown)}")
+    if args.oracle is not None and args.ar_prompts:
+        raise SystemExit("--oracle needs the AR output of every prompt: drop --ar-prompts")
 
     prompts = load_prompts(args.dataset, args.num_prompts)
     dtype = str(ServerArgs(dtype=args.dtype, device=args.device).torch_dtype).removeprefix("torch.")
-    if args.oracle is not None and args.ar_prompts is not None:
-        raise SystemExit("--oracle needs the AR output of every prompt: drop --ar-prompts")
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
     common = {"model_path": args.model_path, "dtype": dtype, "device": args.device, "max_total_tokens": 8192}
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         draft, label = resolve_draft(args.draft, args.oracle is not None, args.model_path, Path(tmp))
-        ar = Engine(**common)
+        engines = {}
+        for mode in ["ar"] + [m for m in modes if m != "ar"]:
+            spec = {} if MODES[mode] is None else {"speculative_algorithm": "DFLASH",
+                                                   "speculative_draft_model_path": str(draft), **MODES[mode]}
+            engines[mode] = Engine(**common, **spec)
+        ar = engines["ar"]
         ids = [ar.tokenizer_manager.chat_ids([{"role": "user", "content": p}]) for p in prompts]
-        ar.generate(input_ids=ids[0], sampling_params={"temperature": 0, "max_new_tokens": 4})  # warm-up
-        ar_runs = [run_timed(ar, x, params) for x in ids[: args.ar_prompts]]
-        ar.shutdown()
-        del ar
-        spec = Engine(**common, speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft),
-                      speculative_num_draft_tokens=args.block_size)
-        spec.generate(input_ids=ids[0], sampling_params={"temperature": 0, "max_new_tokens": 4})  # warm-up
-        worker = spec.scheduler.worker
-        if args.oracle is not None:
-            label = f"oracle e={args.oracle} ({label} draft cost)"
-            oracle = OracleDrafter(ids, [r["output_ids"] for r in ar_runs], worker.draft.config.vocab_size,
-                                   args.oracle, seed=0, run_draft=True)
-            with oracle.installed(worker):
-                spec_runs = [run_timed(spec, x, params) for x in ids]
-        else:
-            spec_runs = [run_timed(spec, x, params) for x in ids]
-        block = args.block_size or worker.block_size
-        spec.shutdown()
+        for engine in engines.values():
+            engine.generate(input_ids=ids[0], sampling_params={"temperature": 0, "max_new_tokens": 4})  # warm-up
+        oracles = {}
+        if args.oracle is not None:  # the AR outputs first: the oracle proposes them
+            runs["ar"] = [run_timed(ar, x, params) for x in ids]
+            vocab = engines[modes[-1]].scheduler.worker.step.draft.config.vocab_size
+            oracles = {m: OracleDrafter(ids, [r["output_ids"] for r in runs["ar"]], vocab, args.oracle, seed=0)
+                       for m in engines if m != "ar"}
+        # modes interleaved prompt by prompt, so drifts of this machine's speed hit them all alike
+        for i, x in enumerate(ids):
+            for mode, engine in engines.items():
+                if mode in runs and len(runs[mode]) > i or (mode == "ar" and args.ar_prompts and i >= args.ar_prompts):
+                    continue
+                if mode in oracles:
+                    with oracles[mode].installed(engine.scheduler.worker):
+                        runs.setdefault(mode, []).append(run_timed(engine, x, params))
+                else:
+                    runs.setdefault(mode, []).append(run_timed(engine, x, params))
+            print(f"prompt {i + 1}/{len(ids)}: " + "  ".join(
+                f"{m} {summarise(r)['decode_tok_per_s']:.1f}" for m, r in runs.items()), flush=True)
+        for engine in engines.values():
+            engine.shutdown()
+    if args.oracle is not None:
+        label = f"oracle e={args.oracle} ({label} draft cost)"
 
-    result = {
-        "label": label, "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "dtype": dtype, "device": args.device, "block_size": block,
-        "ar_prompts": len(ar_runs), "ar": summarise(ar_runs), "dflash": summarise(spec_runs),
-        "identical_outputs": sum(a["output_ids"] == s["output_ids"] for a, s in zip(ar_runs, spec_runs)),
-    }
-    ar_s, spec_s = result["ar"], result["dflash"]
-    result["speedup"] = spec_s["decode_tok_per_s"] / ar_s["decode_tok_per_s"]
-    ar_step = ar_s["decode_s"] / max(ar_s["decode_tokens"], 1)
-    result["step_time_ratio"] = spec_s["step_s"] / ar_step  # one DFLASH step / one AR step
+    result = {"label": label, "dataset": args.dataset, "num_prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "dtype": dtype, "device": args.device,
+              "modes": {m: summarise(r) for m, r in runs.items()}}
+    ar = result["modes"]["ar"]
+    ar_step = ar["decode_s"] / max(ar["decode_tokens"], 1)
+    print(f"{label} | {args.dataset} x{len(prompts)} | {dtype} | {args.max_new_tokens} new tokens")
+    print("| mode | tau | tok/s | / AR | step / AR step | identical to AR | steps by source |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, m in result["modes"].items():
+        m["speedup"] = m["decode_tok_per_s"] / ar["decode_tok_per_s"]
+        m["identical_outputs"] = sum(a["output_ids"] == b["output_ids"] for a, b in zip(runs["ar"], runs[mode]))
+        step = f"{m['step_s'] / ar_step:.2f}" if "step_s" in m else "1.00"
+        shares = ", ".join(f"{k} {v:.2f}" for k, v in m.get("source_share", {}).items())
+        print(f"| {mode} | {m.get('tau', 1.0):.2f} | {m['decode_tok_per_s']:.1f} | {m['speedup']:.2f}x | {step} | "
+              f"{m['identical_outputs']}/{len(runs['ar'])} | {shares} |")
     args.out.write_text(json.dumps(result, indent=2))
     png = args.plot or args.out.with_suffix(".png")
     plot(png, result)
-    print(f"{label} | {args.dataset} x{len(prompts)} | {dtype} | block {block}")
-    print(f"tau {spec_s['tau']:.2f}  accept rate {spec_s['accept_rate']:.3f}  histogram {spec_s['accept_histogram']}")
-    print(f"AR {ar_s['decode_tok_per_s']:.1f} tok/s  DFLASH {spec_s['decode_tok_per_s']:.1f} tok/s  "
-          f"speedup {result['speedup']:.2f}x  DFLASH step / AR step {result['step_time_ratio']:.2f}")
-    print(f"identical outputs {result['identical_outputs']}/{len(ar_runs)}; wrote {args.out} and {png}")
+    print(f"wrote {args.out} and {png}")
 
 
 if __name__ == "__main__":

@@ -34,18 +34,23 @@ def plot_curve(history: list[dict], path: Path) -> None:
 
 
 def bench_table(results: list[dict]) -> str:
-    """Markdown table of scripts/bench_speculative.py results (greedy, batch 1)."""
-    rows = [
-        f"| {r['dataset']} | {r['num_prompts']} | {r['max_new_tokens']} | {r['block_size']} | "
-        f"{r.get('dtype', 'bfloat16')} | {r['dflash']['tau']:.2f} | "
-        f"{r['ar']['decode_tok_per_s']:.1f} ({r.get('ar_prompts', r['num_prompts'])} prompts) | "
-        f"{r['dflash']['decode_tok_per_s']:.1f} | {r['speedup']:.2f}x | {r['step_time_ratio']:.2f} |"
-        for r in results
-    ]
+    """Markdown table of scripts/bench_speculative.py results (greedy, batch 1): one row per dataset and mode."""
+    rows = []
+    for r in results:
+        ar = r["modes"]["ar"]
+        for mode, m in r["modes"].items():
+            if mode == "ar":
+                continue
+            shares = ", ".join(f"{k} {v:.2f}" for k, v in m.get("source_share", {}).items())
+            rows.append(
+                f"| {r['dataset']} | {r['num_prompts']} | {r['max_new_tokens']} | {mode} | {r.get('dtype', '')} | "
+                f"{m['tau']:.2f} | {ar['decode_tok_per_s']:.1f} | {m['decode_tok_per_s']:.1f} | {m['speedup']:.2f}x | "
+                f"{shares} |"
+            )
     return "\n".join([
         "## Acceptance and speed (`scripts/bench_speculative.py`, greedy, batch 1, CPU)", "",
-        "| dataset | prompts | new tokens | block | dtype | tau | AR tok/s | DFLASH tok/s | DFLASH / AR "
-        "| DFLASH step / AR step |",
+        "| dataset | prompts | new tokens | mode | dtype | tau | AR tok/s | DFLASH tok/s | DFLASH / AR "
+        "| steps by source |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", *rows, "",
     ])
 

@@ -4,9 +4,10 @@ Starts each server configuration itself, drives C concurrent streaming chat clie
 request when the previous one ends) on HumanEval and MT-Bench prompts, and writes JSON, a table and a PNG
 of throughput vs concurrency.
 
---server ours (default): our server, DFLASH/AR x overlap on/off; prints the DFLASH/AR and overlap/plain
-ratios and the host-side idle gap per scheduler step.
-    python scripts/load_test.py --concurrency 1,2,4,8,16,32 --num-prompts 64 --max-tokens 256
+--server ours (default): our server in its speculation modes side by side: AR, DFLASH with fixed blocks
+(16, 4; DFlash proposals only), adaptive blocks, and the defaults (adaptive + context lookup), plus both
+with the overlap loop; prints the ratios to AR and the host-side idle gap per scheduler step.
+    python scripts/load_test.py --concurrency 1,4,16,32 --num-prompts 32 --max-tokens 128
 
 --server sglang: the side by side. SGLang + our DFLASH worker (plugin), SGLang without speculation, and
 our own server (DFLASH and AR), all with overlap on. SGLang runs from the SGLang venv (--sglang-python; on
@@ -48,22 +49,27 @@ CPU_SGLANG_ARGS = ("--device cpu --attention-backend torch_native --disable-cuda
 class Config:
     name: str
     speculative: bool
-    overlap: bool
+    flags: tuple[str, ...] = ()  # extra server flags
     host: str = "ours"  # "ours" (sglang_dflash.launch_server) or "sglang" (sglang.launch_server + our plugin)
 
 
+FIXED = ("--no-speculative-adaptive", "--no-speculative-lookup")
+OVERLAP = ("--enable-overlap-schedule",)
 CONFIGS = {
     "ours": [
-        Config("dflash-overlap", True, True),
-        Config("dflash-plain", True, False),
-        Config("ar-overlap", False, True),
-        Config("ar-plain", False, False),
+        Config("ar", False),
+        Config("dflash-b16", True, FIXED),
+        Config("dflash-b4", True, (*FIXED, "--speculative-num-draft-tokens", "4")),
+        Config("dflash-adaptive", True, ("--no-speculative-lookup",)),
+        Config("dflash", True),
+        Config("ar-overlap", False, OVERLAP),
+        Config("dflash-overlap", True, OVERLAP),
     ],
     "sglang": [
-        Config("sglang-dflash", True, True, "sglang"),
-        Config("sglang-ar", False, True, "sglang"),
-        Config("ours-dflash", True, True),
-        Config("ours-ar", False, True),
+        Config("sglang-dflash", True, host="sglang"),
+        Config("sglang-ar", False, host="sglang"),
+        Config("ours-dflash", True, OVERLAP),
+        Config("ours-ar", False, OVERLAP),
     ],
 }
 
@@ -78,7 +84,7 @@ def sglang_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str
            "--port", str(port), "--max-running-requests", str(max(args.concurrency)), "--enable-metrics",
            *args.sglang_args.split()]
     if cfg.speculative:
-        from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER
+        from sglang_dflash.speculative.drafter import DEFAULT_DRAFTER
 
         draft = args.draft or str(DEFAULT_DRAFTER)
         cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", draft]
@@ -94,9 +100,7 @@ def ours_command(cfg: Config, port: int, args: argparse.Namespace) -> list[str]:
             cmd += ["--speculative-draft-model-path", args.draft]
     else:
         cmd += ["--speculative-algorithm", "NONE"]
-    if not cfg.overlap:
-        cmd.append("--disable-overlap-schedule")
-    return cmd + args.server_args.split()
+    return cmd + list(cfg.flags) + args.server_args.split()
 
 
 @contextmanager
@@ -276,11 +280,11 @@ def fmt(x: float | None, digits: int = 1) -> str:
 
 
 def ratios(results: dict[str, dict[int, dict]], concurrency: list[int]) -> dict[str, dict[int, float]]:
-    pairs = {"dflash/ar (overlap)": ("dflash-overlap", "ar-overlap"), "dflash/ar (plain)": ("dflash-plain", "ar-plain"),
-             "overlap/plain (dflash)": ("dflash-overlap", "dflash-plain"),
-             "overlap/plain (ar)": ("ar-overlap", "ar-plain"), "sglang dflash/ar": ("sglang-dflash", "sglang-ar"),
-             "ours dflash/ar": ("ours-dflash", "ours-ar"),
-             "sglang dflash / ours dflash": ("sglang-dflash", "ours-dflash")}
+    pairs = {f"{name}/ar": (name, "ar") for name in ("dflash-b16", "dflash-b4", "dflash-adaptive", "dflash")}
+    pairs.update({"dflash/ar (overlap)": ("dflash-overlap", "ar-overlap"),
+                  "overlap/plain (dflash)": ("dflash-overlap", "dflash"), "overlap/plain (ar)": ("ar-overlap", "ar"),
+                  "sglang dflash/ar": ("sglang-dflash", "sglang-ar"), "ours dflash/ar": ("ours-dflash", "ours-ar"),
+                  "sglang dflash / ours dflash": ("sglang-dflash", "ours-dflash")})
     out = {}
     for label, (a, b) in pairs.items():
         if a in results and b in results:

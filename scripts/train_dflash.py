@@ -48,8 +48,8 @@ def main() -> None:
     trainer = DFlashTrainer(cfg, records, resume_dir=latest if resuming else None)
     if resuming:
         print(f"resumed at step {trainer.step}", flush=True)
-    print(f"{len(trainer.order)} train / {len(trainer.dev)} dev records; draft vocab coverage "
-          f"{trainer.vocab_coverage}", flush=True)
+    print(f"{len(trainer.data.order)} train / {len(trainer.data.dev)} dev records; draft vocab coverage "
+          f"{trainer.data.vocab_coverage(trainer.draft.config.draft_vocab)}", flush=True)
     (args.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     trainer.run(args.max_steps, log_path=args.out / "history.jsonl", reload=lambda: load_shards(args.data))
 

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "Engine":
-        from sglang_dflash.engine.engine import Engine
+        from sglang_dflash.entrypoints.engine import Engine
 
         return Engine
     raise AttributeError(name)

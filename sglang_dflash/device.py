@@ -1,11 +1,6 @@
-"""The one module that touches torch.cuda / torch.xpu: device resolution, sync, streams, events, memory.
+"""The one module that touches torch.cuda / torch.xpu: device resolution, sync, bf16 support, memory."""
 
-Stream and event helpers are real on cuda/xpu and no-ops (None) on cpu, so callers stay device-agnostic.
-"""
-
-import contextlib
 import os
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -61,52 +56,6 @@ def synchronize(device: DeviceLike) -> None:
     backend = _backend(device)
     if backend is not None:
         backend.synchronize(device)
-
-
-def new_stream(device: DeviceLike) -> torch.Stream | None:
-    backend = _backend(device)
-    return None if backend is None else backend.Stream(device=device)
-
-
-def current_stream(device: DeviceLike) -> torch.Stream | None:
-    backend = _backend(device)
-    return None if backend is None else backend.current_stream(device)
-
-
-@contextlib.contextmanager
-def stream_context(stream: torch.Stream | None) -> Iterator[None]:
-    """Make `stream` current inside the block (no-op for None)."""
-    if stream is None:
-        yield
-        return
-    with torch.get_device_module(stream.device.type).stream(stream):
-        yield
-
-
-def record_event(device: DeviceLike, stream: torch.Stream | None = None) -> torch.Event | None:
-    """An event recorded on `stream` (default: the current stream); None on cpu."""
-    backend = _backend(device)
-    if backend is None:
-        return None
-    event = backend.Event()
-    event.record(stream if stream is not None else backend.current_stream(device))
-    return event
-
-
-def wait_event(stream: torch.Stream | None, event: torch.Event | None) -> None:
-    """Make `stream` wait for `event` on the device (no host sync)."""
-    if stream is not None and event is not None:
-        stream.wait_event(event)
-
-
-def event_synchronize(event: torch.Event | None) -> None:
-    """Block the host until `event` completed."""
-    if event is not None:
-        event.synchronize()
-
-
-def event_done(event: torch.Event | None) -> bool:
-    return event is None or event.query()
 
 
 def memory_info(device: DeviceLike) -> tuple[int, int]:

@@ -45,7 +45,15 @@ def make_parser() -> ArgumentParser:
     add("--speculative-draft-model-path", "DFlash drafter checkpoint directory")
     add("--speculative-num-draft-tokens", "block size B of each verify step", type=int)
     add("--speculative-dflash-block-size", "alias of --speculative-num-draft-tokens (they must agree)", type=int)
-    add("--disable-overlap-schedule", "run the plain scheduler loop instead of the overlapped one",
+    add("--speculative-adaptive", "choose each request's block size and proposer per step from measured "
+        "acceptance and step cost (default: on)", action=argparse.BooleanOptionalAction)
+    add("--speculative-lookup", "context-lookup proposals (the continuation of a repeated n-gram) beside DFlash "
+        "(default: on)", action=argparse.BooleanOptionalAction)
+    add("--speculative-lookup-min-match", "shortest suffix n-gram a lookup proposal matches", type=int)
+    add("--speculative-lookup-max-match", "longest suffix n-gram a lookup proposal matches", type=int)
+    add("--disable-overlap-schedule", "run the plain scheduler loop (the default on CPU)",
+        action="store_const", const=True)
+    add("--enable-overlap-schedule", "run the overlapped scheduler loop (the default on GPUs)",
         action="store_const", const=True)
     add("--max-running-requests", "requests decoded together at most", type=int)
     add("--max-total-tokens", "KV cache slots", type=int)
@@ -59,6 +67,11 @@ def make_parser() -> ArgumentParser:
     add("--served-model-name", "model id in the OpenAI API (default: the model path)")
     add("--log-level", "logging level", type=str.lower, choices=LOG_LEVELS)
     add("--random-seed", "seed for torch", type=int)
+    add("--max-queued-requests", "requests that may wait beyond --max-running-requests; more get a 503 with "
+        "Retry-After", type=int)
+    add("--max-request-body-mb", "largest request body in MiB; a larger one gets a 413", type=float)
+    add("--shutdown-grace-s", "on SIGTERM, seconds running requests get to finish before they are ended "
+        "with an error", type=float)
     return p
 
 
@@ -91,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         ns.speculative_algorithm = default_speculative_algorithm(ns)
     if ns.dtype is not None:
         ns.dtype = DTYPE_ALIASES[ns.dtype]
+    if ns.enable_overlap_schedule:
+        if ns.disable_overlap_schedule:
+            parser.error("--enable-overlap-schedule and --disable-overlap-schedule conflict")
+        ns.disable_overlap_schedule = False
+    del ns.enable_overlap_schedule
     given = {k: v for k, v in vars(ns).items() if v is not None}
     try:
         args = ServerArgs.from_kwargs(**given)
@@ -105,7 +123,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    from sglang_dflash.server.http_server import build_app, serve
+    from sglang_dflash.entrypoints.http.http_server import build_app
+    from sglang_dflash.entrypoints.http.lifecycle import serve
 
     try:
         app = build_app(args)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_dflash.device import has_fast_bf16
+from sglang_dflash.speculative.drafter import merge_block_flags
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -26,13 +27,20 @@ class ServerArgs:
     speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_dflash_block_size: int | None = None
-    disable_overlap_schedule: bool = False
+    speculative_adaptive: bool = True
+    speculative_lookup: bool = True
+    speculative_lookup_min_match: int = 2
+    speculative_lookup_max_match: int = 4
+    disable_overlap_schedule: bool | None = None  # None: per device, the faster loop (plain on CPU)
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
     random_seed: int | None = None
+    max_queued_requests: int = 256  # beyond max_running_requests; more get a 503 with Retry-After
+    max_request_body_mb: float = 8.0
+    shutdown_grace_s: float = 10.0  # on SIGTERM, running requests get this long to finish
 
     def __post_init__(self) -> None:
         if self.speculative_algorithm is not None:
@@ -40,16 +48,15 @@ class ServerArgs:
             if algo not in ("DFLASH", "NONE"):
                 raise ValueError(f"speculative_algorithm must be DFLASH or NONE, got {self.speculative_algorithm!r}")
             self.speculative_algorithm = None if algo == "NONE" else algo
-        a, b = self.speculative_num_draft_tokens, self.speculative_dflash_block_size
-        if a is not None and b is not None and a != b:
-            raise ValueError(
-                f"speculative_num_draft_tokens ({a}) and speculative_dflash_block_size ({b}) disagree"
-            )
-        if self.speculative_num_draft_tokens is None:
-            self.speculative_num_draft_tokens = b
+        self.speculative_num_draft_tokens = merge_block_flags(
+            self.speculative_num_draft_tokens, self.speculative_dflash_block_size
+        )
         n = self.speculative_num_draft_tokens
-        if n is not None and n < 1:
-            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {n}")
+        if not 1 <= self.speculative_lookup_min_match <= self.speculative_lookup_max_match:
+            raise ValueError("speculative_lookup_min_match must be >= 1 and <= speculative_lookup_max_match")
+        if self.disable_overlap_schedule is None:
+            # measured on CPU: the overlap loop's second thread team halves decode throughput on 2 cores
+            self.disable_overlap_schedule = self.device == "cpu"
         if self.speculative_algorithm is None and (self.speculative_draft_model_path or n is not None):
             raise ValueError("speculative draft options need speculative_algorithm='DFLASH'")
         if self.device not in ("cpu", "cuda", "xpu"):
@@ -59,6 +66,16 @@ class ServerArgs:
         for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in [1, 65535], got {self.port}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if not 0 < self.max_request_body_mb <= 1024:
+            raise ValueError(f"max_request_body_mb must be in (0, 1024], got {self.max_request_body_mb}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise ValueError(f"shutdown_grace_s must be in [0, 3600], got {self.shutdown_grace_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

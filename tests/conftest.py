@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import save_file
 
 from sglang_dflash import Engine
-from sglang_dflash.engine.forward_batch import ForwardBatch, ForwardMode
-from sglang_dflash.engine.model_runner import ModelRunner
 from sglang_dflash.models.default_model import default_model_path
 from sglang_dflash.models.model_store import cache_root, file_sha256, resolve_model_dir
+from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
+from sglang_dflash.runtime.model_runner import ModelRunner
 
 ENGINE_POOL = 8192  # KV slots of the shared engine
 CHAT_PROMPTS = [

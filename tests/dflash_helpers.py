@@ -4,7 +4,6 @@ references, an oracle drafter with a controllable error rate, and tiny random ta
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import random
 import tempfile
@@ -14,13 +13,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from sglang_dflash.scheduler.schedule_batch import Req
 
 from sglang_dflash import Engine
 from sglang_dflash.models.config import ModelConfig
 from sglang_dflash.models.dflash import random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.model_store import resolve_model_dir
+from sglang_dflash.scheduler.schedule_batch import Req
 from sglang_dflash.workers.dflash_worker import DFlashWorker
 
 CHAT_PROMPTS = [
@@ -86,28 +85,29 @@ def random_drafter_path() -> Path:
 
 
 @functools.cache
-def dflash_engine(dtype: str = "float32", block: int | None = None) -> Engine:
-    """The default target with the random drafter; `block` is the engine-level block size (None: 16)."""
+def dflash_engine(dtype: str = "float32", block: int | None = None, adaptive: bool = False) -> Engine:
+    """The default target with the random drafter; `block` is the engine-level block size (None: 16).
+    Fixed blocks and DFlash proposals only unless `adaptive` (then adaptive blocks + context lookup)."""
     return Engine(
         dtype=dtype, max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(random_drafter_path()), speculative_num_draft_tokens=block,
+        speculative_adaptive=adaptive, speculative_lookup=adaptive,
     )
 
 
 class OracleDrafter:
     """Proposes the true AR continuation of each request, each token corrupted with probability
-    `error_rate` (seeded). Installed in place of `DFlashWorker.propose`; `run_draft` still runs the real
-    draft forward first (its tokens discarded), so step timings include the drafter's cost."""
+    `error_rate` (seeded). Installed in place of the DFlash draft forward, which still runs (its tokens
+    discarded), so step timings include the drafter's cost."""
 
     def __init__(
         self, prompts: list[list[int]], continuations: list[list[int]], vocab_size: int, error_rate: float = 0.0,
-        seed: int = 0, run_draft: bool = False,
+        seed: int = 0,
     ):
         self.references = {tuple(p): list(c) for p, c in zip(prompts, continuations)}
         self.vocab_size = vocab_size
         self.error_rate = error_rate
         self.rng = random.Random(seed)
-        self.run_draft = run_draft
 
     def proposals(self, req: Req, committed: int, width: int) -> list[int]:
         """Tokens for positions committed+1 .. committed+width (the bonus sits at position `committed`)."""
@@ -123,29 +123,28 @@ class OracleDrafter:
 
     @contextmanager
     def installed(self, worker: DFlashWorker) -> Iterator[OracleDrafter]:
-        """Replaces the worker's draft step. The committed lengths come from the step's device inputs (the
-        host's view of a request may lag one step behind under overlap scheduling)."""
-        propose, forward_decode = worker.propose, worker.forward_decode
-        signature = inspect.signature(propose)
-        batch_reqs: list[Req] = []
+        """Replaces the step's DFlash draft forward. The committed lengths come from the step's device inputs
+        (the host's view of a request may lag one step behind under overlap scheduling)."""
+        step = worker.step
+        draft_block, forward_decode = step.draft_block, worker.forward_decode
+        rows_of: dict[int, Req] = {}
 
         def capture_reqs(batch):
-            batch_reqs[:] = batch.reqs
+            rows_of.clear()
+            rows_of.update({r.req_pool_idx: r for r in batch.reqs})
             return forward_decode(batch)
 
-        def oracle_propose(*args, **kwargs):
-            if self.run_draft:
-                propose(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs).arguments
-            width = bound["block"] - 1
-            rows = [self.proposals(r, p, width) for r, p in zip(batch_reqs, bound["prefix"].tolist())]
-            return torch.tensor(rows, dtype=torch.int64).view(len(rows), width).to(bound["bonus"].device)
+        def oracle_draft_block(req_to_token, req_pool_indices, bonus, seq_lens, block_lens, kv_bound):
+            drafts = draft_block(req_to_token, req_pool_indices, bonus, seq_lens, block_lens, kv_bound)
+            width = drafts.shape[1]
+            rows = [self.proposals(rows_of[i], p, width) for i, p in zip(req_pool_indices.tolist(), seq_lens.tolist())]
+            return torch.tensor(rows, dtype=torch.int64).view(len(rows), width).to(bonus.device)
 
-        worker.propose, worker.forward_decode = oracle_propose, capture_reqs
+        step.draft_block, worker.forward_decode = oracle_draft_block, capture_reqs
         try:
             yield self
         finally:
-            del worker.propose, worker.forward_decode
+            del step.draft_block, worker.forward_decode
 
 
 # ---- tiny random checkpoints (for sampling tests and checkpoint tests) ----

@@ -4,6 +4,7 @@ randomly initialised drafter; greedy outputs of requests sent alone are computed
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import functools
 import os
@@ -147,9 +148,9 @@ def dflash_args(max_total_tokens: int = 4096, *extra: str) -> list[str]:
 
 KV_PRESSURE_TOKENS = 192  # a few requests fit; more must be retracted and recomputed
 SERVERS = {  # name -> CLI args (built on first use: the drafter is written then)
-    "dflash": lambda: dflash_args(),
+    "dflash": lambda: dflash_args(4096, "--enable-overlap-schedule"),  # the GPU default loop, forced on CPU
     "dflash_plain": lambda: dflash_args(4096, "--disable-overlap-schedule"),
-    "kv_pressure": lambda: dflash_args(KV_PRESSURE_TOKENS),
+    "kv_pressure": lambda: dflash_args(KV_PRESSURE_TOKENS, "--enable-overlap-schedule"),
 }
 _running: dict[str, ServerProcess] = {}
 
@@ -186,3 +187,16 @@ def alone_outputs() -> dict[str, str]:
         for p in PROMPTS:
             _alone[p] = chat(client, p).choices[0].message.content
     return _alone
+
+
+async def concurrent_chats(name: str, prompts: list[str]) -> list:
+    """Greedy chats of MAX_TOKENS tokens (ignore_eos), sent at once to the named server."""
+    client = shared_server(name).async_client()
+    calls = [
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        for p in prompts
+    ]
+    return await asyncio.gather(*calls)

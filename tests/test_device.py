@@ -28,18 +28,11 @@ def test_accelerator_consistent() -> None:
     assert dev.is_available("cpu") and not dev.is_available("meta")
 
 
-def test_cpu_streams_and_events_are_noops() -> None:
+def test_cpu_sync_and_cache_are_noops() -> None:
     cpu = torch.device("cpu")
     dev.synchronize(cpu)
     dev.empty_cache("cpu")
-    stream = dev.new_stream(cpu)
-    assert stream is None and dev.current_stream(cpu) is None
-    with dev.stream_context(stream):
-        event = dev.record_event(cpu, stream)
-    assert event is None
-    dev.wait_event(stream, event)
-    dev.event_synchronize(event)
-    assert dev.event_done(event)
+    assert dev.memory_info(cpu)[1] > 0
 
 
 def test_cpu_memory_info(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,19 +48,12 @@ def test_cpu_memory_info(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(ACCEL is None, reason="no cuda/xpu device")
-def test_accelerator_stream_roundtrip() -> None:
+def test_accelerator_roundtrip() -> None:
     device = dev.resolve_device(ACCEL.type)
     assert device.index is not None
-    stream = dev.new_stream(device)
-    x = torch.ones(1024, device=device)
-    dev.wait_event(stream, dev.record_event(device))
-    with dev.stream_context(stream):
-        y = x * 2
-        done = dev.record_event(device, stream)
-    dev.wait_event(dev.current_stream(device), done)
-    dev.event_synchronize(done)
-    assert dev.event_done(done) and y.sum().item() == 2048
+    y = torch.ones(1024, device=device) * 2
     dev.synchronize(device)
+    assert y.sum().item() == 2048
     dev.empty_cache(device)
     free, total = dev.memory_info(device)
     assert 0 < free <= total

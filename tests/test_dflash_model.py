@@ -3,6 +3,7 @@ the one-GEMM just-in-time context KV materialisation against the per-layer refer
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from sglang_dflash import Engine
 from sglang_dflash.models.config import ModelConfig
 from sglang_dflash.models.dflash import DFlashDraftModel, load_draft_model, random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
+from sglang_dflash.models.rotary import rope_at
 
 TARGET = tiny_target_config(vocab_size=32, hidden=32, layers=6)
 CPU = torch.device("cpu")
@@ -36,6 +38,16 @@ def randomise(model: DFlashDraftModel, seed: int) -> DFlashDraftModel:
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.3 * noise if "norm" in name else noise)
     return model
+
+
+def materialize_per_layer(model: DFlashDraftModel, features, positions, out_cache_loc, k_buffer, v_buffer) -> None:
+    """The reference for `materialize_context_kv`: each layer's own `project_kv` of the projected context."""
+    ctx = model.project_context(features)
+    rope = rope_at(model.rope, positions)
+    for i, layer in enumerate(model.layers):
+        k, v = layer.self_attn.project_kv(ctx, rope)
+        k_buffer[i].index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
+        v_buffer[i].index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
 
 
 def bind_and_prepare(model: DFlashDraftModel, seed: int = 0) -> DFlashDraftModel:
@@ -188,11 +200,11 @@ def test_one_gemm_materialisation_matches_per_layer(attention_bias: bool, seed: 
     positions = torch.randint(0, 4000, (n,), generator=g)
     out_cache_loc = torch.randperm(slots, generator=g)[:n] + 1
     buffers = []
-    for reference in (False, True):
+    for materialize in (model.materialize_context_kv, functools.partial(materialize_per_layer, model)):
         k = torch.zeros(cfg.num_hidden_layers, slots + 1, cfg.num_key_value_heads, cfg.head_dim)
         v = torch.zeros_like(k)
         with torch.inference_mode():
-            model.materialize_context_kv(features, positions, out_cache_loc, k, v, reference=reference)
+            materialize(features, positions, out_cache_loc, k, v)
         buffers.append((k, v))
     (k, v), (k_ref, v_ref) = buffers
     for got, want in ((k, k_ref), (v, v_ref)):

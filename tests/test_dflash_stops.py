@@ -62,7 +62,8 @@ def test_stops_inside_accepted_runs_match_ar(cases):
     ids, refs, params = cases
     expected = ar_engine().generate(input_ids=ids, sampling_params=params)
     engine = dflash_engine()
-    with OracleDrafter(ids, refs, engine.scheduler.worker.draft.config.vocab_size).installed(engine.scheduler.worker):
+    worker = engine.scheduler.worker
+    with OracleDrafter(ids, refs, worker.step.draft.config.vocab_size).installed(worker):
         outs = engine.generate(input_ids=ids, sampling_params=params)
     for got, want, p in zip(outs, expected, params):
         assert got["output_ids"] == want["output_ids"], p

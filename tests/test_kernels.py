@@ -1,4 +1,5 @@
-"""DFlash kernels: Triton vs torch references, torch references vs naive loops, sampling losslessness.
+"""DFlash kernels: Triton vs torch references (contiguous and strided inputs), torch references vs naive loops,
+sampling losslessness, dispatch.
 
 Without a cuda/xpu device the Triton kernels run on CPU tensors through the Triton interpreter
 (TRITON_INTERPRET=1 is set here, before any Triton kernel module is imported); with one they run natively.
@@ -11,20 +12,18 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
+from sglang_dflash.device import accelerator
 from sglang_dflash.kernels import (
     greedy_accept,
     greedy_accept_torch,
     materialize_draft_kv,
     materialize_draft_kv_torch,
-    prepare_draft_block,
-    prepare_draft_block_torch,
     sampling_accept,
     sampling_accept_torch,
     use_triton,
 )
 from sglang_dflash.kernels.backend import ENV_VAR, triton_available, triton_import_error
-
-from sglang_dflash.device import accelerator
 
 DEVICE = accelerator() or torch.device("cpu")
 if DEVICE.type == "cpu":
@@ -50,6 +49,32 @@ def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     monkeypatch.setattr(torch, "empty", empty)
     yield
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The values of `t` in a view of a zero buffer with every dim stepped by 2 and the dims in reversed
+    memory order (a transposed, sliced view), so a kernel that ignores any stride reads zeros or wrong rows."""
+    buf = t.new_zeros([2 * s + 1 for s in reversed(t.shape)]).permute(*reversed(range(t.dim())))
+    view = buf[tuple(slice(1, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    assert not view.is_contiguous()
+    return view
+
+
+def on_device(case: dict, strided_args: tuple[str, ...] = ()) -> dict:
+    """`case` with its tensors on DEVICE, those named in `strided_args` as `strided` views."""
+    out = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    return out | {k: strided(out[k]) for k in strided_args}
+
+
+def strided_params(names: tuple[str, ...]) -> list:
+    """One case per tensor argument made strided, and one with all of them strided."""
+    return [(name,) for name in names] + [pytest.param(names, id="all")]
+
+
+def check_same_result(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        assert a.dtype == torch.int64 and a.is_contiguous() and torch.equal(a, e)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -87,24 +112,41 @@ def kv_case(
     }
 
 
-def run_materialize(fn: Callable, case: dict, buffer_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+KV_TENSORS = ("kv", "k_norm_weight", "positions", "cos_sin_cache", "k_buffer", "v_buffer", "out_cache_loc")
+
+
+def run_materialize(
+    fn: Callable, case: dict, buffer_dtype: torch.dtype, strided_args: tuple[str, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `fn` into random pools whose target slots are NaN; check those are written, the rest untouched."""
     layers, heads, hd = case["kv"].shape[1], case["kv"].shape[3], case["kv"].shape[4]
     g = gen(99)
     pools = [torch.randn(layers, case["slots"], heads, hd, generator=g).to(buffer_dtype) for _ in range(2)]
-    k_buf, v_buf = (p.to(DEVICE) for p in pools)
-    loc = case["out_cache_loc"].to(DEVICE)
-    k_buf[:, loc] = math.nan
-    v_buf[:, loc] = math.nan
-    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in case.items() if k != "slots"}
-    fn(k_buffer=k_buf, v_buffer=v_buf, **args)
-    k_buf, v_buf = k_buf.cpu(), v_buf.cpu()
+    k_buf, v_buf = (p.clone() for p in pools)
+    k_buf[:, case["out_cache_loc"]] = math.nan
+    v_buf[:, case["out_cache_loc"]] = math.nan
+    args = on_device({**case, "k_buffer": k_buf, "v_buffer": v_buf}, strided_args)
+    del args["slots"]
+    fn(**args)
+    k_buf, v_buf = args["k_buffer"].cpu(), args["v_buffer"].cpu()
     untouched = torch.ones(case["slots"], dtype=torch.bool)
     untouched[case["out_cache_loc"]] = False
     for pool, buf in zip(pools, (k_buf, v_buf), strict=True):
         assert not buf.isnan().any(), "a target slot was not written"
         assert torch.equal(buf[:, untouched], pool[:, untouched]), "a slot outside out_cache_loc changed"
     return k_buf, v_buf
+
+
+def check_materialize_triton(case: dict, buffer_dtype: torch.dtype, strided_args: tuple[str, ...] = ()) -> None:
+    expected = run_materialize(materialize_draft_kv_torch, case, buffer_dtype)
+    triton_impl = triton_fn("draft_kv", "materialize_draft_kv_triton")
+    actual = run_materialize(triton_impl, case, buffer_dtype, strided_args)
+    tol = 1e-5 if buffer_dtype == torch.float32 else 1e-2
+    assert rel_err(actual[0], expected[0]) < tol
+    if case["kv"].dtype == buffer_dtype:
+        assert torch.equal(actual[1], expected[1])
+    else:  # the interpreter narrows floats by truncation, CUDA rounds to nearest even
+        assert rel_err(actual[1], expected[1]) < tol
 
 
 KV_SHAPES = [  # n, layers, nKV, head_dim, rotary_dim, kv dtype, buffer dtype
@@ -120,15 +162,13 @@ KV_SHAPES = [  # n, layers, nKV, head_dim, rotary_dim, kv dtype, buffer dtype
 @pytest.mark.parametrize("shape", KV_SHAPES, ids=str)
 def test_materialize_triton_matches_torch(shape: tuple) -> None:
     *dims, dtype, buffer_dtype = shape
-    case = kv_case(*dims, dtype=dtype, seed=sum(dims))
-    expected = run_materialize(materialize_draft_kv_torch, case, buffer_dtype)
-    actual = run_materialize(triton_fn("draft_kv", "materialize_draft_kv_triton"), case, buffer_dtype)
-    tol = 1e-5 if buffer_dtype == torch.float32 else 1e-2
-    assert rel_err(actual[0], expected[0]) < tol
-    if dtype == buffer_dtype:
-        assert torch.equal(actual[1], expected[1])
-    else:  # the interpreter narrows floats by truncation, CUDA rounds to nearest even
-        assert rel_err(actual[1], expected[1]) < tol
+    check_materialize_triton(kv_case(*dims, dtype=dtype, seed=sum(dims)), buffer_dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("strided_args", strided_params(KV_TENSORS), ids=str)
+def test_materialize_triton_strided(strided_args: tuple[str, ...]) -> None:
+    check_materialize_triton(kv_case(7, 3, 3, 48, 32, torch.float32, seed=4), torch.float32, strided_args)
 
 
 def naive_materialize(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,14 +217,14 @@ def test_materialize_torch_matches_naive(shape: tuple) -> None:
 # ---------------------------------------------------------------- accept kernels
 
 
-def greedy_case(bs: int, block: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_case(bs: int, block: int, seed: int, len_dtype: torch.dtype = torch.int64) -> dict:
     """Drafts that mostly agree with the target, so accept lengths cover 0..block-1."""
     g = gen(seed)
     target = torch.randint(0, 50, (bs, block), generator=g)
     drafts = torch.where(torch.rand(bs, block - 1, generator=g) < 0.85, target[:, :-1], 7)
     candidates = torch.cat([torch.randint(0, 50, (bs, 1), generator=g), drafts], dim=1)
-    block_lens = torch.randint(1, block + 1, (bs,), generator=g)
-    return candidates, target, block_lens
+    block_lens = torch.randint(1, block + 1, (bs,), generator=g).to(len_dtype)
+    return {"candidates": candidates, "target_argmax": target, "block_lens": block_lens}
 
 
 def naive_accept_outputs(candidates: torch.Tensor, accept_lens: list[int], bonus: list[int]) -> torch.Tensor:
@@ -205,7 +245,8 @@ def check_accept_result(
 
 @pytest.mark.parametrize("bs, block", [(1, 1), (9, 5), (33, 16), (6, 23)])
 def test_greedy_torch_matches_loop(bs: int, block: int) -> None:
-    candidates, target, block_lens = greedy_case(bs, block, seed=bs)
+    case = greedy_case(bs, block, seed=bs)
+    candidates, target, block_lens = case.values()
     accept_lens, bonus = [], []
     for i in range(bs):
         acc = 0
@@ -213,7 +254,7 @@ def test_greedy_torch_matches_loop(bs: int, block: int) -> None:
             acc += 1
         accept_lens.append(acc)
         bonus.append(target[i, acc].item())
-    check_accept_result(greedy_accept_torch(candidates, target, block_lens), accept_lens, bonus, candidates)
+    check_accept_result(greedy_accept_torch(**case), accept_lens, bonus, candidates)
     assert len(set(accept_lens)) > min(block, 3) - 1
 
 
@@ -223,17 +264,23 @@ def test_greedy_torch_matches_loop(bs: int, block: int) -> None:
 def test_greedy_triton_matches_torch(
     bs: int, block: int, len_dtype: torch.dtype, poisoned_empty: None
 ) -> None:
-    candidates, target, block_lens = greedy_case(bs, block, seed=bs + 1)
-    args = (candidates.to(DEVICE), target.to(DEVICE), block_lens.to(DEVICE, len_dtype))
-    expected = greedy_accept_torch(*args)
-    actual = triton_fn("greedy", "greedy_accept_triton")(*args)
-    for a, e in zip(actual, expected, strict=True):
-        assert a.dtype == torch.int64 and torch.equal(a, e)
+    case = on_device(greedy_case(bs, block, seed=bs + 1, len_dtype=len_dtype))
+    check_same_result(triton_fn("greedy", "greedy_accept_triton")(**case), greedy_accept_torch(**case))
 
 
-def sampling_case(bs: int, block: int, vocab: int, seed: int, point_mass: bool = False) -> dict:
-    """Partly zeroed (top-k like) p and a nearby q; drafts sampled from q (or its argmax for point
-    masses, then draft_probs is None), so accept lengths vary."""
+@needs_triton
+@pytest.mark.parametrize("strided_args", strided_params(("candidates", "target_argmax", "block_lens")), ids=str)
+def test_greedy_triton_strided(strided_args: tuple[str, ...], poisoned_empty: None) -> None:
+    case = on_device(greedy_case(7, 11, seed=3, len_dtype=torch.int32))
+    actual = triton_fn("greedy", "greedy_accept_triton")(**on_device(case, strided_args))
+    check_same_result(actual, greedy_accept_torch(**case))
+
+
+ALMOST_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
+
+
+def sampling_case(bs: int, block: int, vocab: int, seed: int) -> dict:
+    """Partly zeroed (top-k like) target p; drafts are the argmax of a nearby q, so accept lengths vary."""
     g = gen(seed)
     base = torch.randn(bs, block, vocab, generator=g) * 2
     base[..., 0] = 6.0  # keeps every row non-empty
@@ -245,100 +292,93 @@ def sampling_case(bs: int, block: int, vocab: int, seed: int, point_mass: bool =
         return torch.softmax(logits, dim=-1)
 
     p, q = dist(0.0), dist(0.7)
-    drafts = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(bs, block)
-    if point_mass:
-        drafts = q.argmax(dim=-1)
-    candidates = torch.cat([torch.randint(0, vocab, (bs, 1), generator=g), drafts[:, :-1]], dim=1)
+    candidates = torch.cat([torch.randint(0, vocab, (bs, 1), generator=g), q.argmax(dim=-1)[:, :-1]], dim=1)
     block_lens = torch.randint(1, block + 1, (bs,), generator=g)
     uniforms = torch.rand(bs, block, generator=g)
-    if block > 1 and not point_mass:  # q = p except q(d1) = 2 p(d1): d1 rejected, residual empty -> p
-        q[0, 0] = p[0, 0]
-        q[0, 0, candidates[0, 1]] *= 2
-        block_lens[0], uniforms[0, 0] = block, 0.99
+    if block > 1:  # p(d1) < 1 is all of row 0's mass and d1 is rejected: the residual is empty -> p
+        p[0, 0] = torch.nn.functional.one_hot(candidates[0, 1], vocab) * ALMOST_ONE
+        block_lens[0], uniforms[0, 0] = block, ALMOST_ONE
     return {
         "target_probs": p,
         "candidates": candidates,
-        "draft_probs": None if point_mass else q,
         "block_lens": block_lens,
         "uniforms": uniforms,
-        "residual_uniforms": torch.rand(bs, generator=g),
+        "bonus_uniforms": torch.rand(bs, generator=g),
     }
 
 
+SAMPLING_TENSORS = ("target_probs", "candidates", "block_lens", "uniforms", "bonus_uniforms")
+
+
 def naive_sampling_accept(case: dict) -> tuple[list[int], list[int]]:
-    """The rule of REFERENCE.md section 3, one request at a time in float64."""
-    point_mass = case["draft_probs"] is None
+    """Rejection sampling of point-mass drafts, one request at a time in float64."""
     p = case["target_probs"].double()
-    q = p if point_mass else case["draft_probs"].double()
     accept_lens, bonus = [], []
     for i in range(p.shape[0]):
         acc, n_drafts = 0, case["block_lens"][i].item() - 1
-        while acc < n_drafts:
-            d = case["candidates"][i, acc + 1]
-            ratio = p[i, acc, d] if point_mass else min(1.0, p[i, acc, d] / q[i, acc, d])
-            if not case["uniforms"][i, acc] < ratio:
-                break
+        while acc < n_drafts and case["uniforms"][i, acc] < p[i, acc, case["candidates"][i, acc + 1]]:
             acc += 1
         residual = p[i, acc].clone()
         if acc < n_drafts:
-            if point_mass:
-                residual[case["candidates"][i, acc + 1]] = 0.0
-            else:
-                residual = (residual - q[i, acc]).clamp_min(0.0)
+            residual[case["candidates"][i, acc + 1]] = 0.0
         if residual.sum() == 0:
             residual = p[i, acc]
         cdf = residual.cumsum(0)
-        bonus.append(int((cdf <= case["residual_uniforms"][i] * cdf[-1]).sum()))
+        bonus.append(int((cdf <= case["bonus_uniforms"][i] * cdf[-1]).sum()))
         accept_lens.append(acc)
     return accept_lens, bonus
 
 
-@pytest.mark.parametrize("point_mass", [True, False], ids=["point_mass", "draft_q"])
-def test_sampling_torch_matches_loop(point_mass: bool) -> None:
-    case = sampling_case(64, 6, 40, seed=3, point_mass=point_mass)
+def test_sampling_torch_matches_loop() -> None:
+    case = sampling_case(64, 6, 40, seed=3)
     accept_lens, bonus = naive_sampling_accept(case)
     check_accept_result(sampling_accept_torch(**case), accept_lens, bonus, case["candidates"])
     assert len(set(accept_lens)) >= 4
+    assert accept_lens[0] == 0 and bonus[0] == case["candidates"][0, 1]  # the empty residual row
 
 
 SAMPLING_SHAPES = [(1, 1, 7), (5, 6, 37), (7, 16, 300), (2, 3, 5000)]  # last one spans two vocab chunks
 
 
 @needs_triton
-@pytest.mark.parametrize("point_mass", [True, False], ids=["point_mass", "draft_q"])
 @pytest.mark.parametrize("bs, block, vocab", SAMPLING_SHAPES)
-def test_sampling_triton_matches_torch(
-    bs: int, block: int, vocab: int, point_mass: bool, poisoned_empty: None
-) -> None:
-    case = sampling_case(bs, block, vocab, seed=vocab, point_mass=point_mass)
-    case = {k: None if v is None else v.to(DEVICE) for k, v in case.items()}
-    expected = sampling_accept_torch(**case)
-    actual = triton_fn("sampling", "sampling_accept_triton")(**case)
-    for a, e in zip(actual, expected, strict=True):
-        assert a.dtype == torch.int64 and torch.equal(a, e)
+def test_sampling_triton_matches_torch(bs: int, block: int, vocab: int, poisoned_empty: None) -> None:
+    case = on_device(sampling_case(bs, block, vocab, seed=vocab))
+    check_same_result(triton_fn("sampling", "sampling_accept_triton")(**case), sampling_accept_torch(**case))
 
 
-def first_two_tokens(
-    p_pos: torch.Tensor, q_pos: torch.Tensor, point_mass: bool, n: int, always_accept: bool = False
-) -> torch.Tensor:
-    """Decode n requests with per-position target p and draft q until each emitted two tokens."""
+@needs_triton
+@pytest.mark.parametrize("strided_args", strided_params(SAMPLING_TENSORS), ids=str)
+def test_sampling_triton_strided(strided_args: tuple[str, ...], poisoned_empty: None) -> None:
+    case = on_device(sampling_case(5, 7, 4099, seed=5))  # two vocabulary chunks
+    actual = triton_fn("sampling", "sampling_accept_triton")(**on_device(case, strided_args))
+    check_same_result(actual, sampling_accept_torch(**case))
+
+
+@needs_triton
+def test_sampling_triton_uniform_columns_of_one_tensor(poisoned_empty: None) -> None:
+    """What the workers pass: uniforms[:, :B] and the column uniforms[:, B] of one [bs, B + 1] tensor."""
+    bs, block, vocab = 6, 5, 300
+    case = on_device(sampling_case(bs, block, vocab, seed=8))
+    u = torch.rand(bs, block + 1, generator=gen(9)).to(DEVICE)
+    case |= {"uniforms": u[:, :block], "bonus_uniforms": u[:, block]}
+    expected = sampling_accept_torch(**{k: v.contiguous() for k, v in case.items()})
+    check_same_result(triton_fn("sampling", "sampling_accept_triton")(**case), expected)
+
+
+def first_two_tokens(p_pos: torch.Tensor, q_pos: torch.Tensor, n: int, always_accept: bool = False) -> torch.Tensor:
+    """Decode n requests with per-position target p and drafts argmax q until each emitted two tokens."""
     g = gen(11)
-    block, vocab = 3, p_pos.shape[1]
+    block = 3
     emitted = torch.full((n, 2 + block), -1)
     count = torch.zeros(n, dtype=torch.int64)
     block_lens = torch.randint(1, block + 1, (n,), generator=g)
     while (count < 2).any():
         rows = (count[:, None] + torch.arange(block)).clamp_max(len(p_pos) - 1)
-        p, q = p_pos[rows], q_pos[rows]
-        if point_mass:
-            drafts = q.argmax(dim=-1)
-        else:
-            drafts = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(n, block)
+        drafts = q_pos[rows].argmax(dim=-1)
         candidates = torch.cat([torch.zeros(n, 1, dtype=torch.int64), drafts[:, :-1]], dim=1)
         uniforms = torch.zeros(n, block) if always_accept else torch.rand(n, block, generator=g)
-        acc, _, out = sampling_accept_torch(
-            p, candidates, None if point_mass else q, block_lens, uniforms, torch.rand(n, generator=g)
-        )
+        acc, _, out = sampling_accept_torch(p_pos[rows], candidates, block_lens, uniforms, torch.rand(n, generator=g))
         for j in range(block):
             write = (count < 2) & (j <= acc)
             emitted[write, (count + j)[write]] = out[write, j]
@@ -346,8 +386,7 @@ def first_two_tokens(
     return emitted[:, :2]
 
 
-@pytest.mark.parametrize("point_mass", [True, False], ids=["point_mass", "draft_q"])
-def test_sampling_is_lossless(point_mass: bool) -> None:
+def test_sampling_is_lossless() -> None:
     """The first two emitted tokens follow p0 x p1 (total variation small); accepting always does not."""
     p_pos = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.0], [0.05, 0.05, 0.1, 0.3, 0.5], [0.2] * 5])
     q_pos = torch.tensor([[0.1, 0.1, 0.2, 0.2, 0.4], [0.6, 0.1, 0.1, 0.1, 0.1], [0.2] * 5])
@@ -358,44 +397,8 @@ def test_sampling_is_lossless(point_mass: bool) -> None:
         counts = torch.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab * vocab)
         return 0.5 * (counts / n - expected).abs().sum().item()
 
-    assert total_variation(first_two_tokens(p_pos, q_pos, point_mass, n)) < 0.025
-    assert total_variation(first_two_tokens(p_pos, q_pos, point_mass, n, always_accept=True)) > 0.1
-
-
-# ---------------------------------------------------------------- prepare_draft_block
-
-
-def block_case(table_dtype: torch.dtype) -> tuple:
-    g = gen(5)
-    rows, max_len, bs = 6, 64, 5
-    req_to_token = torch.randperm(rows * max_len, generator=g).view(rows, max_len).to(table_dtype)
-    seq_lens = torch.tensor([0, 9, 30, 48, 1])
-    return torch.randint(0, 1000, (bs,), generator=g), seq_lens, torch.tensor([3, 0, 5, 2, 4]), req_to_token
-
-
-@pytest.mark.parametrize("block_size", [1, 7, 16])
-def test_prepare_draft_block_torch_matches_loop(block_size: int) -> None:
-    bonus, seq_lens, pool_idx, table = block_case(torch.int32)
-    ids, positions, loc = prepare_draft_block_torch(bonus, seq_lens, pool_idx, table, block_size, 1234)
-    for i in range(len(bonus)):
-        for t in range(block_size):
-            k, pos = i * block_size + t, seq_lens[i].item() + t
-            assert ids[k] == (bonus[i] if t == 0 else 1234)
-            assert positions[k] == pos and loc[k] == table[pool_idx[i], pos]
-    assert all(x.dtype == torch.int64 for x in (ids, positions, loc))
-
-
-@needs_triton
-@pytest.mark.parametrize("block_size", [1, 7, 16])
-@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
-def test_prepare_draft_block_triton_matches_torch(
-    block_size: int, table_dtype: torch.dtype, poisoned_empty: None
-) -> None:
-    args = [x.to(DEVICE) for x in block_case(table_dtype)] + [block_size, 1234]
-    expected = prepare_draft_block_torch(*args)
-    actual = triton_fn("draft_block", "prepare_draft_block_triton")(*args)
-    for a, e in zip(actual, expected, strict=True):
-        assert a.dtype == torch.int64 and torch.equal(a, e)
+    assert total_variation(first_two_tokens(p_pos, q_pos, n)) < 0.025
+    assert total_variation(first_two_tokens(p_pos, q_pos, n, always_accept=True)) > 0.1
 
 
 # ---------------------------------------------------------------- dispatch
@@ -421,15 +424,21 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_dispatchers_run_forced_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, backend)
-    candidates, target, block_lens = greedy_case(4, 5, seed=0)
-    assert torch.equal(
-        greedy_accept(candidates, target, block_lens)[2],
-        greedy_accept_torch(candidates, target, block_lens)[2],
-    )
+    case = greedy_case(4, 5, seed=0)
+    assert torch.equal(greedy_accept(**case)[2], greedy_accept_torch(**case)[2])
     case = sampling_case(3, 4, 20, seed=0)
     assert torch.equal(sampling_accept(**case)[2], sampling_accept_torch(**case)[2])
-    args = block_case(torch.int64) + (4, 99)
-    assert torch.equal(prepare_draft_block(*args)[2], prepare_draft_block_torch(*args)[2])
     kv_args = kv_case(2, 2, 1, 64, 64, torch.float32, seed=0)
     dispatched = run_materialize(materialize_draft_kv, kv_args, torch.float32)[0]
     assert rel_err(dispatched, run_materialize(materialize_draft_kv_torch, kv_args, torch.float32)[0]) < 1e-5
+
+
+def test_dispatchers_check_shapes() -> None:
+    case = sampling_case(3, 4, 20, seed=0)
+    with pytest.raises(AssertionError):  # all B + 1 uniforms instead of the first B
+        sampling_accept(**case | {"uniforms": torch.rand(3, 5)})
+    with pytest.raises(AssertionError):
+        greedy_accept(**greedy_case(3, 4, seed=0) | {"block_lens": torch.ones(4, dtype=torch.int64)})
+    kv_args = kv_case(2, 2, 1, 64, 64, torch.float32, seed=0)
+    with pytest.raises(AssertionError):  # an odd rotary_dim
+        run_materialize(materialize_draft_kv, kv_args | {"rotary_dim": 63}, torch.float32)

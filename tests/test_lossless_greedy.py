@@ -17,6 +17,7 @@ from dflash_helpers import (
     dflash_engine,
 )
 
+import sglang_dflash.speculative.dflash_step as dflash_step
 from sglang_dflash import Engine
 
 NEW_TOKENS = 128
@@ -35,7 +36,7 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
 
 
 def vocab(engine: Engine) -> int:
-    return engine.scheduler.worker.draft.config.vocab_size
+    return engine.scheduler.worker.step.draft.config.vocab_size
 
 
 def combined_histogram(outs: list[dict]) -> list[int]:
@@ -64,6 +65,27 @@ def test_oracle_drafter_matches_ar(prompts, reference, error_rate):
         assert 2 < sum(taus) / len(taus) < 12, taus
 
 
+@pytest.mark.parametrize("error_rate", [0.3, 1.0])
+def test_adaptive_blocks_and_lookup_match_ar(prompts, reference, error_rate):
+    """The defaults: per-step block sizes and proposal sources (DFlash from an oracle with errors, context
+    lookup, plain rows) change from step to step; the output stays AR's, token for token. error_rate 1.0: a
+    drafter that is always wrong, so the policy falls back to lookup and plain rows."""
+    engine = dflash_engine(adaptive=True)
+    with OracleDrafter(prompts, reference, vocab(engine), error_rate, seed=4).installed(engine.scheduler.worker):
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    sources = defaultdict(int)
+    for o in outs:
+        for k, v in o["meta_info"]["spec_source_steps"].items():
+            sources[k] += v
+    sizes = {b for o in outs for b, n in enumerate(o["meta_info"]["spec_block_histogram"], 1) if n}
+    assert sources["lookup"] > 0 and len(sizes) >= 3, (dict(sources), sizes)
+    if error_rate < 1:
+        assert sources["dflash"] > 0, dict(sources)
+    else:
+        assert sources["none"] > 0, dict(sources)
+
+
 def test_request_level_block_sizes_match_ar(prompts, reference):
     engine = dflash_engine(block=4)  # engine-level 4, overridden per request in the same batch
     blocks = [None, 3, 8, 16] * 3
@@ -76,18 +98,18 @@ def test_request_level_block_sizes_match_ar(prompts, reference):
         assert len(hist) == (b or 4) and hist[-1] > 0, (b, hist)  # ran with its own block, fully accepted some
 
 
-def test_bf16_emitted_tokens_are_verify_argmax(prompts, reference):
+def test_bf16_emitted_tokens_are_verify_argmax(prompts, reference, monkeypatch):
     """bf16 verify rounds differently from 1-token decoding, so compare with the verify rows themselves."""
     engine = dflash_engine("bfloat16")
     worker = engine.scheduler.worker
     steps: dict[str, list[list[int]]] = defaultdict(list)
     mismatches = []
-    accept = worker.accept
+    accept = dflash_step.accept
 
-    def checked_accept(reqs, vin, logits):
-        accept_lens, next_bonus, out_tokens = accept(reqs, vin, logits)
+    def checked_accept(candidates, block_lens, logits, info, uniforms):
+        accept_lens, next_bonus, out_tokens = accept(candidates, block_lens, logits, info, uniforms)
         argmax = logits.argmax(-1)
-        for i, req in enumerate(reqs):
+        for i, req in enumerate(worker.batch.reqs):
             n = int(accept_lens[i]) + 1
             tokens = out_tokens[i, :n].tolist()
             if tokens != argmax[i, :n].tolist():
@@ -95,12 +117,9 @@ def test_bf16_emitted_tokens_are_verify_argmax(prompts, reference):
             steps[req.rid].append(tokens)
         return accept_lens, next_bonus, out_tokens
 
-    worker.accept = checked_accept
-    try:
-        with OracleDrafter(prompts, reference, vocab(engine), 0.1, seed=3).installed(worker):
-            outs = engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=BF16_TOKENS))
-    finally:
-        del worker.accept
+    monkeypatch.setattr(dflash_step, "accept", checked_accept)
+    with OracleDrafter(prompts, reference, vocab(engine), 0.1, seed=3).installed(worker):
+        outs = engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=BF16_TOKENS))
     assert not mismatches
     for o in outs:
         emitted = [t for step in steps[o["meta_info"]["id"]] for t in step]

@@ -13,15 +13,17 @@ import torch.nn.functional as F
 from dflash_helpers import save_tiny_target, tiny_target_config
 from safetensors.torch import load_file
 
-import sglang_dflash.workers.dflash_worker as dflash_worker
+import sglang_dflash.speculative.accept as accept_module
 from sglang_dflash import Engine
-from sglang_dflash.engine.sampler import SamplingBatchInfo, logits_to_probs, sample_from_probs
-from sglang_dflash.engine.sampling_params import SamplingParams
 from sglang_dflash.models.dflash import random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
+from sglang_dflash.sampling.sampler import SamplingBatchInfo, logits_to_probs, sample_from_probs
+from sglang_dflash.sampling.sampling_params import SamplingParams
 
 VOCAB = 12
 PROMPT = [1, 2, 3]
+# every bigram (2, x) occurs in it and it ends with 2: whatever t1 is sampled, a context lookup matches
+LOOKUP_PROMPT = [t for x in range(VOCAB) for t in (2, x)] + [2]
 NUM_SAMPLES = 2000
 BLOCK = 4
 P_VALUE_PASS = 1e-3  # seeds are fixed, so every run is deterministic: no flakes, just a bound
@@ -32,7 +34,7 @@ SETTINGS = {
 }
 
 
-def exact_distribution(target_dir: Path, params: dict) -> torch.Tensor:
+def exact_distribution(target_dir: Path, params: dict, prompt: list[int] = PROMPT) -> torch.Tensor:
     """P(t1, t2, t3) [V, V, V] from HF transformers' Llama on the same checkpoint (an independent forward),
     with the sampler's own temperature / top-k / top-p transform."""
     from transformers import LlamaForCausalLM
@@ -41,9 +43,9 @@ def exact_distribution(target_dir: Path, params: dict) -> torch.Tensor:
     hf_logging.disable_progress_bar()
     model = LlamaForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # every (t1, t2)
-    seqs = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+    seqs = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
     with torch.no_grad():
-        logits = model(seqs).logits[:, len(PROMPT) - 1 :].reshape(-1, VOCAB)  # rows predict t1, t2, t3
+        logits = model(seqs).logits[:, len(prompt) - 1 :].reshape(-1, VOCAB)  # rows predict t1, t2, t3
     info = SamplingBatchInfo.from_params([SamplingParams.from_dict(params)], VOCAB, torch.device("cpu"))
     probs = logits_to_probs(logits, info.expand(torch.tensor([len(logits)]))).view(VOCAB, VOCAB, 3, VOCAB)
     p1 = probs[0, 0, 0]  # t1 depends on the prompt only
@@ -76,7 +78,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_kwargs(tiny_dir: Path) -> dict:
     return dict(
         model_path=str(tiny_dir / "target"), dtype="float32", max_running_requests=NUM_SAMPLES,
-        max_total_tokens=NUM_SAMPLES * 16, chunked_prefill_size=NUM_SAMPLES * len(PROMPT),
+        max_total_tokens=NUM_SAMPLES * 40, chunked_prefill_size=NUM_SAMPLES * len(LOOKUP_PROMPT),
     )
 
 
@@ -88,7 +90,16 @@ def ar(tiny_dir: Path) -> Engine:
 @pytest.fixture(scope="module")
 def dflash(tiny_dir: Path) -> Engine:
     return Engine(**engine_kwargs(tiny_dir), speculative_algorithm="DFLASH",
-                  speculative_draft_model_path=str(tiny_dir / "draft"))
+                  speculative_draft_model_path=str(tiny_dir / "draft"), speculative_adaptive=False,
+                  speculative_lookup=False)
+
+
+@pytest.fixture(scope="module")
+def dflash_lookup(tiny_dir: Path) -> Engine:
+    """Fixed blocks with context-lookup proposals mixed in (DFlash where no n-gram matches)."""
+    return Engine(**engine_kwargs(tiny_dir), speculative_algorithm="DFLASH",
+                  speculative_draft_model_path=str(tiny_dir / "draft"), speculative_adaptive=False,
+                  speculative_lookup=True)
 
 
 def chi_square_p_value(samples: list[tuple[int, ...]], exact: torch.Tensor) -> float:
@@ -110,9 +121,11 @@ def chi_square_p_value(samples: list[tuple[int, ...]], exact: torch.Tensor) -> f
     return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
 
 
-def sample_sequences(engine: Engine, params: dict) -> tuple[list[tuple[int, ...]], list[dict]]:
+def sample_sequences(
+    engine: Engine, params: dict, prompt: list[int] = PROMPT
+) -> tuple[list[tuple[int, ...]], list[dict]]:
     sp = [dict(params, max_new_tokens=3, seed=i, ignore_eos=True) for i in range(NUM_SAMPLES)]
-    outs = engine.generate(input_ids=[PROMPT] * NUM_SAMPLES, sampling_params=sp)
+    outs = engine.generate(input_ids=[prompt] * NUM_SAMPLES, sampling_params=sp)
     assert all(len(o["output_ids"]) == 3 for o in outs)
     return [tuple(o["output_ids"]) for o in outs], [o["meta_info"] for o in outs]
 
@@ -138,11 +151,23 @@ def test_dflash_sampling_matches_exact(dflash: Engine, setting):
     assert chi_square_p_value(samples, exact) > P_VALUE_PASS
 
 
+def test_lookup_proposals_sampling_matches_exact(dflash_lookup: Engine, tiny_dir: Path):
+    """A context-lookup proposal is a point mass like a DFlash draft: the same rejection rule stays exact."""
+    params = SETTINGS["T1"]
+    exact = exact_distribution(tiny_dir / "target", params, LOOKUP_PROMPT)
+    samples, metas = sample_sequences(dflash_lookup, params, LOOKUP_PROMPT)
+    lookup_steps = sum(m.get("spec_source_steps", {}).get("lookup", 0) for m in metas)
+    assert lookup_steps > 0.3 * sum(m.get("spec_verify_ct", 0) for m in metas)
+    hist = [sum(h) for h in zip(*(m["spec_accept_histogram"] for m in metas))]
+    assert sum(hist[:-1]) > 0.1 * sum(hist) and sum(hist[1:]) > 0.1 * sum(hist), hist
+    assert chi_square_p_value(samples, exact) > P_VALUE_PASS
+
+
 def accept_everything(real):
     """Wrong rule: every draft the target gives nonzero probability is accepted (uniforms forced to 0)."""
 
-    def wrong(target_probs, candidates, draft_probs, block_lens, uniforms, residual_uniforms):
-        return real(target_probs, candidates, draft_probs, block_lens, torch.zeros_like(uniforms), residual_uniforms)
+    def wrong(target_probs, candidates, block_lens, uniforms, bonus_uniforms):
+        return real(target_probs, candidates, block_lens, torch.zeros_like(uniforms), bonus_uniforms)
 
     return wrong
 
@@ -151,10 +176,10 @@ def no_residual(real):
     """Wrong rule: correct acceptance, but after a rejection the bonus is drawn from p itself, not from p
     with the rejected draft removed."""
 
-    def wrong(target_probs, candidates, draft_probs, block_lens, uniforms, residual_uniforms):
-        accept_lens, _, out = real(target_probs, candidates, draft_probs, block_lens, uniforms, residual_uniforms)
+    def wrong(target_probs, candidates, block_lens, uniforms, bonus_uniforms):
+        accept_lens, _, out = real(target_probs, candidates, block_lens, uniforms, bonus_uniforms)
         rows = torch.arange(len(accept_lens))
-        bonus = sample_from_probs(target_probs[rows, accept_lens], residual_uniforms)
+        bonus = sample_from_probs(target_probs[rows, accept_lens], bonus_uniforms)
         out = out.clone()
         out[rows, accept_lens] = bonus
         return accept_lens, bonus, out
@@ -165,6 +190,6 @@ def no_residual(real):
 @pytest.mark.parametrize("rule", [accept_everything, no_residual])
 def test_wrong_accept_rule_fails(dflash: Engine, setting, rule, monkeypatch: pytest.MonkeyPatch):
     params, exact = setting
-    monkeypatch.setattr(dflash_worker, "sampling_accept", rule(dflash_worker.sampling_accept))
+    monkeypatch.setattr(accept_module, "sampling_accept", rule(accept_module.sampling_accept))
     samples, _ = sample_sequences(dflash, params)
     assert chi_square_p_value(samples, exact) < P_VALUE_FAIL

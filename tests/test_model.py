@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from sglang_dflash.engine import attention
-from sglang_dflash.engine.forward_batch import ForwardMode
-from sglang_dflash.engine.model_runner import ModelRunner
 from sglang_dflash.models.packed_linear import PackedLinear, can_pack
+from sglang_dflash.runtime import attention
+from sglang_dflash.runtime.forward_batch import ForwardMode
+from sglang_dflash.runtime.model_runner import ModelRunner
 
 CAPTURE = (0, 13, 27)  # not the last layer: HF's last hidden state is after the final norm
 PROMPT = (

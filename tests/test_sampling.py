@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sglang_dflash.engine.sampler import (
+from sglang_dflash.sampling.sampler import (
     FAST_K,
     SamplingBatchInfo,
     apply_penalties,
@@ -16,7 +16,7 @@ from sglang_dflash.engine.sampler import (
     sample,
     sample_from_probs,
 )
-from sglang_dflash.engine.sampling_params import SamplingParams
+from sglang_dflash.sampling.sampling_params import SamplingParams
 
 VOCAB = 4 * FAST_K  # larger than the fast path's candidate set, so both paths are exercised
 

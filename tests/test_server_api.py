@@ -8,8 +8,8 @@ import openai
 import pytest
 from server_helpers import API_KEY, ServerProcess, chat, shared_server
 
-from sglang_dflash.engine.tokenizer import apply_chat_template, load_tokenizer
 from sglang_dflash.models.model_store import resolve_model_dir
+from sglang_dflash.runtime.tokenizer import apply_chat_template, load_tokenizer
 
 PROMPT = "Write a haiku about autumn."
 
@@ -81,6 +81,7 @@ def test_generate_native_with_spec_metrics(server: ServerProcess) -> None:
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["spec_accept_length"] >= 1 and meta["spec_verify_ct"] >= 1
     assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"]
+    assert sum(meta["spec_block_histogram"]) == sum(meta["spec_source_steps"].values()) == meta["spec_verify_ct"]
 
     events = []
     with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True},
@@ -107,5 +108,6 @@ def test_service_endpoints(server: ServerProcess, client: openai.OpenAI) -> None
     for name in ("sglang:num_requests_total", "sglang:generation_tokens_total", "sglang:time_to_first_token_seconds",
                  "sglang:time_per_output_token_seconds", "sglang:e2e_request_latency_seconds",
                  "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
-                 "sglang:spec_accept_length{", "sglang:spec_accept_length_per_request_bucket"):
+                 "sglang:spec_accept_length{", "sglang:spec_accept_length_per_request_bucket",
+                 "sglang:spec_verify_steps_by_source_total{", "sglang:spec_verify_steps_by_block_size_total{"):
         assert name in metrics, name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -17,6 +18,15 @@ def test_unknown_flag_exits_2_with_one_line() -> None:
     assert result.stderr.strip() == "sglang-dflash: error: unrecognized arguments: --no-such-flag (see --help)"
 
 
+def test_bad_port_exits_2_before_loading_the_model() -> None:
+    cmd = [sys.executable, "-m", "sglang_dflash.launch_server", "--port", "99999"]
+    start = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == "sglang-dflash: error: --port must be in [1, 65535], got 99999 (see --help)"
+    assert time.perf_counter() - start < 30  # the flags are checked before anything is loaded
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -26,6 +36,14 @@ def test_unknown_flag_exits_2_with_one_line() -> None:
         (["--max-total-tokens", "0"], "--max-total-tokens must be >= 1"),
         (["--device", "tpu"], "invalid choice: 'tpu'"),
         (["--model-path", "other.gguf", "--speculative-algorithm", "DFLASH"], "needs --speculative-draft-model-path"),
+        (["--port", "99999"], "--port must be in [1, 65535]"),
+        (["--port", "0"], "--port must be in [1, 65535]"),
+        (["--port", "http"], "invalid int value: 'http'"),
+        (["--max-queued-requests", "-1"], "--max-queued-requests must be >= 0"),
+        (["--max-request-body-mb", "0"], "--max-request-body-mb must be in (0, 1024]"),
+        (["--max-request-body-mb", "nan"], "--max-request-body-mb must be in (0, 1024]"),
+        (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be in [0, 3600]"),
+        (["--context-length", "0"], "--context-length must be >= 2"),
     ],
 )
 def test_conflicting_flags_exit_2_with_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
@@ -40,7 +58,9 @@ def test_defaults_match_sglang() -> None:
     args = parse_args([])
     assert (args.host, args.port) == ("127.0.0.1", 30000)
     assert args.model_path is None and args.speculative_algorithm == "DFLASH"
-    assert not args.disable_overlap_schedule and args.api_key is None
+    assert args.disable_overlap_schedule == (args.device == "cpu") and args.api_key is None  # plain loop on CPU
+    assert (args.max_running_requests, args.max_total_tokens, args.max_queued_requests) == (32, 32768, 256)
+    assert (args.max_request_body_mb, args.shutdown_grace_s) == (8, 10)
 
 
 def test_flags_map_to_server_args() -> None:
@@ -65,7 +85,7 @@ def test_other_models_default_to_plain_decoding() -> None:
 
 def test_default_model_serves_dflash_with_the_shipped_drafter() -> None:
     from sglang_dflash.models.dflash_config import DFlashConfig
-    from sglang_dflash.workers.dflash_worker import DEFAULT_DRAFTER, default_drafter_path
+    from sglang_dflash.speculative.drafter import DEFAULT_DRAFTER, default_drafter_path
 
     assert parse_args([]).speculative_algorithm == "DFLASH"
     assert default_drafter_path(None) == DEFAULT_DRAFTER

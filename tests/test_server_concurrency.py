@@ -6,25 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_helpers import MAX_TOKENS, PROMPTS, alone_outputs, shared_server
-
-
-async def concurrent_chats(name: str) -> list:
-    client = shared_server(name).async_client()
-    calls = [
-        client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        for p in PROMPTS
-    ]
-    return await asyncio.gather(*calls)
+from server_helpers import MAX_TOKENS, PROMPTS, alone_outputs, concurrent_chats, shared_server
 
 
 @pytest.mark.parametrize("name", ["dflash_plain", "dflash"])
 def test_concurrent_requests_equal_alone(name: str) -> None:
     alone = alone_outputs()
-    outs = asyncio.run(concurrent_chats(name))
+    outs = asyncio.run(concurrent_chats(name, PROMPTS))
     assert len(outs) == len(PROMPTS) == 16
     for prompt, out in zip(PROMPTS, outs):
         assert out.usage.completion_tokens == MAX_TOKENS

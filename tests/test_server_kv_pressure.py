@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from server_helpers import KV_PRESSURE_TOKENS, MAX_TOKENS, PROMPTS, alone_outputs, shared_server
+from server_helpers import KV_PRESSURE_TOKENS, PROMPTS, alone_outputs, concurrent_chats, shared_server
 
 NUM_REQUESTS = 8
-
-
-async def concurrent_chats(prompts: list[str]) -> list:
-    client = shared_server("kv_pressure").async_client()
-    calls = [
-        client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        for p in prompts
-    ]
-    return await asyncio.gather(*calls)
 
 
 def test_retraction_under_kv_pressure_keeps_outputs() -> None:
     alone = alone_outputs()
     server = shared_server("kv_pressure")
     prompts = PROMPTS[:NUM_REQUESTS]
-    outs = asyncio.run(concurrent_chats(prompts))
+    outs = asyncio.run(concurrent_chats("kv_pressure", prompts))
     for prompt, out in zip(prompts, outs):
         assert out.choices[0].finish_reason == "length"
         assert out.choices[0].message.content == alone[prompt], prompt

@@ -1,6 +1,6 @@
-"""DFlash training on a tiny random target: the block mask isolates blocks, the split, SDPA and flex attention variants
-agree, the loss weights, one step lowers the loss, a checkpoint resumes to the same state, and the
-real-worker dev evaluation runs on a trained checkpoint."""
+"""DFlash training on a tiny random target: the block mask isolates blocks, the training forward equals the
+inference forward, the split, SDPA and flex attention variants agree, the loss weights, one step lowers the
+loss, a checkpoint resumes to the same state, and the real-worker dev evaluation runs on a trained checkpoint."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import pytest
 import torch
 from dflash_helpers import save_tiny_target, tiny_target_config
 
-from sglang_dflash.models.dflash import random_draft_model
+from sglang_dflash.models.dflash import block_input_ids, random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.training.block_attention import draft_blocks_forward
+from sglang_dflash.training.data import is_dev_record
 from sglang_dflash.training.feature_cache import FeatureCache
 from sglang_dflash.training.loss import block_labels, position_weights, weighted_block_loss
-from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig, is_dev_record
+from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig
 
 VOCAB, BLOCK, MASK = 48, 4, 5
 
@@ -80,6 +81,29 @@ def test_block_sees_only_its_context_and_itself():
     assert (seen[j - 1] - base[j - 1]).abs().max() == 0  # ... and not to the block anchored before it
 
 
+def test_training_forward_equals_the_inference_forward():
+    """The same layers with the other attention: anchor blocks over the sequence's features equal the
+    inference forward over the paged cache, with context K/V materialised at slot = position + 1."""
+    torch.manual_seed(3)
+    draft = tiny_draft(seed=4)
+    seq_len, anchors = 30, torch.tensor([4, 9, 17, 28])
+    feats, ids = torch.randn(seq_len, 2 * 32), torch.randint(0, VOCAB, (seq_len,))
+    cfg, m = draft.config, len(anchors)
+    k_buffer = torch.zeros(cfg.num_hidden_layers, 1 + seq_len + m * BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    v_buffer = torch.zeros_like(k_buffer)
+    block_slots = 1 + seq_len + torch.arange(m * BLOCK).view(m, BLOCK)
+    kv_indices = torch.zeros(m, int(anchors.max()) + BLOCK, dtype=torch.int64)
+    for j, a in enumerate(anchors.tolist()):
+        kv_indices[j, : a + BLOCK] = torch.cat([torch.arange(1, a + 1), block_slots[j]])
+    positions = anchors[:, None] + torch.arange(BLOCK)
+    with torch.inference_mode():
+        draft.materialize_context_kv(feats, torch.arange(seq_len), torch.arange(1, seq_len + 1), k_buffer, v_buffer)
+        inference = draft(block_input_ids(ids[anchors], BLOCK, MASK).flatten(), positions.flatten(),
+                          block_slots.flatten(), kv_indices, anchors + BLOCK, BLOCK, k_buffer, v_buffer)
+        training = draft_blocks_forward(draft, feats, ids, anchors, BLOCK)
+    torch.testing.assert_close(training, inference, rtol=0, atol=1e-4)
+
+
 def test_attention_variants_match_the_dense_sdpa_reference():
     """'split' (the trainer's default) and 'flex' equal SDPA with the dense boolean mask; split's
     gradients too (flex has no backward on CPU in torch 2.13, so the trainer refuses it there)."""
@@ -127,7 +151,7 @@ def test_loss_weights_and_weighted_loss():
 def fixed_batch_loss(trainer: DFlashTrainer, recs: list[dict]) -> float:
     from sglang_dflash.training.features import target_features
 
-    seqs = [trainer.sequence(r) for r in recs]
+    seqs = [trainer.data.sequence(r) for r in recs]
     feats = target_features(trainer.runner, [s for s, _ in seqs], tuple(trainer.draft.config.target_layer_ids))
     with torch.no_grad():
         losses = [trainer.sequence_loss(ids, plen, f.clone(), torch.arange(plen, len(ids) - 1))[0]
@@ -154,8 +178,8 @@ def test_checkpoint_resumes_to_the_same_state(tiny_target: Path, tmp_path: Path)
     first = DFlashTrainer(train_config(tmp_path / "b", tiny_target), data)
     first.run(max_steps=3)
     resumed = DFlashTrainer(train_config(tmp_path / "b", tiny_target), data, resume_dir=tmp_path / "b" / "latest")
-    assert resumed.step == 3 and resumed.cursor == first.cursor and resumed.order == first.order
-    assert [r["id"] for r in resumed.dev] == [r["id"] for r in first.dev]
+    assert resumed.step == 3 and resumed.data.cursor == first.data.cursor and resumed.data.order == first.data.order
+    assert [r["id"] for r in resumed.data.dev] == [r["id"] for r in first.data.dev]
     resumed.run()
     assert resumed.step == straight.step == 6
     for (name, a), b in zip(straight.draft.named_parameters(), resumed.draft.parameters()):
@@ -172,13 +196,13 @@ def test_feature_cache_trains_exactly_like_fresh_features(tiny_target: Path, tmp
     cfg = train_config(tmp_path / "b", tiny_target, total_steps=9, feature_cache=str(tmp_path / "cache"))
     cached = DFlashTrainer(cfg, data)
     cached.run()
-    assert cached.epoch == fresh.epoch >= 2
+    assert cached.data.epoch == fresh.data.epoch >= 2
     for (name, a), b in zip(fresh.draft.named_parameters(), cached.draft.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
     reopened = FeatureCache(tmp_path / "cache", str(cfg.model_path), tuple(cached.draft.config.target_layer_ids),
                             cfg.max_len)
     assert not reopened.pending and {r["id"] for r in data} <= set(reopened.where)
-    ids, _ = cached.sequence(data[0])
+    ids, _ = cached.data.sequence(data[0])
     torch.testing.assert_close(reopened.get(data[0]["id"]), cached.features(data[:1], [ids])[0], rtol=0, atol=0)
 
 
@@ -189,9 +213,9 @@ def test_new_records_join_the_epoch_and_the_draft_vocab_survives_resume(tiny_tar
     vocab = trainer.draft.config.draft_vocab
     assert len(vocab) == 12 and VOCAB - 1 in vocab  # eos is always proposable
     trainer.run()
-    added = trainer.add_records(data)  # the first six again (ignored) and four new ones
+    added = trainer.data.add(data)  # the first six again (ignored) and four new ones
     assert added == sum(not is_dev_record(r["id"]) for r in data[6:])
-    assert len(trainer.order) == len(set(trainer.order))
+    assert len(trainer.data.order) == len(set(trainer.data.order))
     again = DFlashTrainer(cfg, records(10, seed=5, prefix="other"), resume_dir=tmp_path / "latest")
     assert again.draft.config.draft_vocab == vocab
 
@@ -201,7 +225,7 @@ def test_dev_tau_with_the_real_worker(tiny_target: Path, tmp_path: Path):
     data = records(8, seed=6) + [dict(r, id=i) for r, i in zip(records(2, seed=7, prefix="x"), dev_ids)]
     trainer = DFlashTrainer(train_config(tmp_path, tiny_target, eval_worker_prompts=2, eval_max_new_tokens=12,
                                          eval_every=2, total_steps=2), data)
-    assert [r["id"] for r in trainer.dev] == dev_ids and not set(dev_ids) & set(trainer.order)
+    assert [r["id"] for r in trainer.data.dev] == dev_ids and not set(dev_ids) & set(trainer.data.order)
     trainer.run(log_path=tmp_path / "history.jsonl")
     entry = trainer.history[-1]
     assert 1.0 <= entry["dev_tau"] <= BLOCK and 1.0 <= entry["dev_tau_teacher_forced"] <= BLOCK
@@ -248,5 +272,5 @@ def test_teacher_forced_eval_skips_dev_prompts_longer_than_max_len(tiny_target: 
     long = dict(records(1, seed=12)[0], id=dev_ids[0], prompt_ids=[7] * 70)  # max_len is 64
     short = dict(records(1, seed=13)[0], id=dev_ids[1])
     trainer = DFlashTrainer(train_config(tmp_path, tiny_target), records(4, seed=14) + [long, short])
-    assert [r["id"] for r in trainer.dev] == dev_ids
+    assert [r["id"] for r in trainer.data.dev] == dev_ids
     assert 1.0 <= trainer.eval_tau_teacher_forced() <= BLOCK

@@ -7,6 +7,7 @@ tokens is materialised just in time into the draft's paged pool by `materialize_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,12 +18,18 @@ from torch import nn
 from sglang_dflash.kernels import materialize_draft_kv
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.llama import MLP, RMSNorm
-from sglang_dflash.models.rotary import apply_rotary, build_cos_sin_cache
+from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
+
+Attend = Callable[["DraftAttention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""attend(attn, q [T, nH, hd], k [T, nKV, hd], v [T, nKV, hd]) -> o [T, nH, hd]: the attention of the block
+tokens over the keys of their context and of their own block (inference: `PagedBlockAttention`; training:
+`sglang_dflash.training.block_attention.AnchorBlockAttention`)."""
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig, sliding_window: int | None):
+    def __init__(self, cfg: DFlashConfig, layer_id: int, sliding_window: int | None):
         super().__init__()
+        self.layer_id = layer_id
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         h, bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.nh * self.hd, bias=bias)
@@ -33,15 +40,67 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
 
+    def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K = RoPE(k_norm(k_proj(x))), V = v_proj(x), each [T, nKV, hd] (block tokens or context features)."""
+        k = apply_rope(self.k_norm(self.k_proj(x).view(-1, self.nkv, self.hd)), *rope)
+        return k, self.v_proj(x).view(-1, self.nkv, self.hd)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+        q = apply_rope(self.q_norm(self.q_proj(x).view(-1, self.nh, self.hd)), *rope)
+        k, v = self.project_kv(x, rope)
+        return self.o_proj(attend(self, q, k, v).reshape(-1, self.nh * self.hd))
+
 
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, layer_id: int):
         super().__init__()
         sliding = cfg.layer_types is not None and cfg.layer_types[layer_id] == "sliding_attention"
-        self.self_attn = DraftAttention(cfg, cfg.sliding_window if sliding else None)
+        self.self_attn = DraftAttention(cfg, layer_id, cfg.sliding_window if sliding else None)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class PagedBlockAttention:
+    """Inference keys: each request's committed context, then its own block (non-causal), read from the
+    paged draft KV cache through `kv_indices`; the block's own K/V are written into its slots first (they
+    are rewritten by context K/V once committed)."""
+
+    def __init__(
+        self, positions: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
+        block: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+    ):
+        self.bs, self.block = kv_indices.shape[0], block
+        self.out_cache_loc, self.kv_indices = out_cache_loc, kv_indices
+        self.k_buffer, self.v_buffer = k_buffer, v_buffer
+        self.kv_pos = torch.arange(kv_indices.shape[1], device=kv_indices.device)
+        self.visible = self.kv_pos[None, :] < kv_lens[:, None]  # [bs, max_kv]
+        self.q_pos = positions.view(self.bs, block)
+
+    def __call__(self, attn: DraftAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
+        k_buffer.index_copy_(0, self.out_cache_loc, k.to(k_buffer.dtype))
+        v_buffer.index_copy_(0, self.out_cache_loc, v.to(v_buffer.dtype))
+        mask = self.visible[:, None, :]
+        if attn.sliding_window is not None:
+            mask = mask & (self.q_pos[:, :, None] - self.kv_pos[None, None, :] < attn.sliding_window)
+        keys = k_buffer[self.kv_indices].transpose(1, 2)
+        values = v_buffer[self.kv_indices].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.view(self.bs, self.block, attn.nh, attn.hd).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+            attn_mask=mask[:, None], enable_gqa=attn.nkv != attn.nh,
+        )
+        return o.transpose(1, 2).reshape(self.bs * self.block, attn.nh, attn.hd)
+
+
+def block_input_ids(first_tokens: torch.Tensor, block: int, mask_token_id: int) -> torch.Tensor:
+    """The draft's block inputs [n, block]: row i = [first_tokens[i], MASK, ..., MASK]."""
+    cols = torch.arange(block, device=first_tokens.device)
+    return torch.where(cols[None, :] == 0, first_tokens[:, None], mask_token_id)
 
 
 class DFlashDraftModel(nn.Module):
@@ -57,11 +116,13 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_tokens: nn.Embedding | None = None
         self.lm_head: nn.Linear | None = None
-        self.cos_sin_cache: torch.Tensor | None = None
+        self.cos_sin_cache: torch.Tensor | None = None  # float32 cat(cos, sin), read by the fused KV kernel
+        self.rope: torch.Tensor | None = None  # float32 rope_table: RoPE of the layers runs in float32
         self.kv_weight: torch.Tensor | None = None
         self.kv_bias: torch.Tensor | None = None
         self.k_norm_weight: torch.Tensor | None = None
         self.draft_vocab: torch.Tensor | None = None
+        self.draft_head: torch.Tensor | None = None
 
     # ---- wiring ----
     def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -73,6 +134,7 @@ class DFlashDraftModel(nn.Module):
         """Builds the rope cache and the layer-stacked context K/V weights (after weights are loaded)."""
         cfg = self.config
         self.cos_sin_cache = build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
+        self.rope = rope_table(self.cos_sin_cache, torch.float32)
         attns = [layer.self_attn for layer in self.layers]
         self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)], 0).detach()
         if cfg.attention_bias:
@@ -80,6 +142,8 @@ class DFlashDraftModel(nn.Module):
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns]).detach()
         if cfg.draft_vocab is not None:
             self.draft_vocab = torch.tensor(cfg.draft_vocab, dtype=torch.int64, device=device)
+            if self.lm_head is not None:  # the draft vocabulary's rows of the (frozen) target head, gathered once
+                self.draft_head = self.lm_head.weight[self.draft_vocab].detach()
 
     # ---- context features -> draft KV ----
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
@@ -88,28 +152,15 @@ class DFlashDraftModel(nn.Module):
 
     def materialize_context_kv(
         self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
-        k_buffer: torch.Tensor, v_buffer: torch.Tensor, reference: bool = False,
+        k_buffer: torch.Tensor, v_buffer: torch.Tensor,
     ) -> None:
-        """Writes K = RoPE(k_norm(k_proj(ctx))), V = v_proj(ctx) of every draft layer, with ONE GEMM.
-        `reference=True` runs the plain per-layer path instead (for tests)."""
-        ctx = self.project_context(features)
-        if reference:
-            self._materialize_per_layer(ctx, positions, out_cache_loc, k_buffer, v_buffer)
-            return
+        """Writes every draft layer's context K/V (`DraftAttention.project_kv` of ctx) with ONE GEMM and the
+        fused norm + RoPE kernel."""
         cfg = self.config
-        kv = F.linear(ctx, self.kv_weight, self.kv_bias)
+        kv = F.linear(self.project_context(features), self.kv_weight, self.kv_bias)
         kv = kv.view(-1, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
         materialize_draft_kv(kv, self.k_norm_weight, positions, self.cos_sin_cache, cfg.head_dim, cfg.rms_norm_eps,
-                    k_buffer, v_buffer, out_cache_loc)
-
-    def _materialize_per_layer(self, ctx, positions, out_cache_loc, k_buffer, v_buffer) -> None:
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
-        n = ctx.shape[0]
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            k = a.k_norm(a.k_proj(ctx).view(n, a.nkv, a.hd))
-            k_buffer[i].index_copy_(0, out_cache_loc, apply_rotary(k, cos_sin).to(k_buffer.dtype))
-            v_buffer[i].index_copy_(0, out_cache_loc, a.v_proj(ctx).view(n, a.nkv, a.hd).to(v_buffer.dtype))
+                             k_buffer, v_buffer, out_cache_loc)
 
     # ---- the block forward ----
     def forward(
@@ -121,33 +172,16 @@ class DFlashDraftModel(nn.Module):
 
         input_ids/positions/out_cache_loc: [bs*block]; kv_indices [bs, max_kv] token slots of each
         request's context followed by its block; kv_lens [bs] = context + real block length.
-        Each block writes its own K/V into its slots (rewritten by context K/V once committed).
         """
-        bs = kv_indices.shape[0]
         h = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
-        kv_pos = torch.arange(kv_indices.shape[1], device=h.device)
-        visible = kv_pos[None, :] < kv_lens[:, None]  # [bs, max_kv]: context + own block, non-causal
-        q_pos = positions.view(bs, block)
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_norm(a.q_proj(x).view(-1, a.nh, a.hd))
-            k = a.k_norm(a.k_proj(x).view(-1, a.nkv, a.hd))
-            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-            k_buffer[i].index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
-            v_buffer[i].index_copy_(0, out_cache_loc, a.v_proj(x).view(-1, a.nkv, a.hd).to(v_buffer.dtype))
-            mask = visible[:, None, :]
-            if a.sliding_window is not None:
-                mask = mask & (q_pos[:, :, None] - kv_pos[None, None, :] < a.sliding_window)
-            keys = k_buffer[i][kv_indices].transpose(1, 2)
-            values = v_buffer[i][kv_indices].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.view(bs, block, a.nh, a.hd).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                attn_mask=mask[:, None], enable_gqa=a.nkv != a.nh,
-            )
-            h = h + a.o_proj(o.transpose(1, 2).reshape(bs * block, a.nh * a.hd))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        attend = PagedBlockAttention(positions, out_cache_loc, kv_indices, kv_lens, block, k_buffer, v_buffer)
+        return self.run_layers(h, positions, attend)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Block token states h [T, H] at `positions` [T] through every draft layer (before the final norm)."""
+        rope = rope_at(self.rope, positions)
+        for layer in self.layers:
+            h = layer(h, rope, attend)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,7 +189,8 @@ class DFlashDraftModel(nn.Module):
         x = self.norm(hidden)
         if self.draft_vocab is None:
             return self.lm_head(x).float()
-        return F.linear(x, self.lm_head.weight[self.draft_vocab]).float()
+        head = self.draft_head if self.draft_head is not None else self.lm_head.weight[self.draft_vocab]
+        return F.linear(x, head).float()
 
     def map_draft_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.draft_vocab is None else self.draft_vocab[ids]

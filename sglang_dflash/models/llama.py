@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_dflash.engine.attention import AttentionMetadata, TorchNativeAttnBackend
-from sglang_dflash.engine.forward_batch import ForwardBatch
-from sglang_dflash.engine.memory_pool import MHATokenToKVPool
+from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.config import ModelConfig
-from sglang_dflash.models.rotary import build_cos_sin_cache
+from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
+from sglang_dflash.runtime.attention import AttentionMetadata, TorchNativeAttnBackend
+from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
@@ -61,11 +61,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, heads, hd]; cos = cat(c, c), sin = cat(-s, s), both [T, 1, hd]."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 class Attention(nn.Module):
@@ -144,11 +139,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_rope(self, device: torch.device) -> None:
-        """[max_positions, 2, hd] = (cat(cos, cos), cat(-sin, sin)) in the model dtype (call after .to(dtype))."""
+        """The RoPE table in the model dtype, where the target's RoPE computes (call after .to(dtype))."""
         c = self.config
-        cos, sin = build_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, device).chunk(2, -1)
-        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
-        self.rope_cache = table.to(self.model.embed_tokens.weight.dtype)
+        cache = build_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
+        self.rope_cache = rope_table(cache, self.model.embed_tokens.weight.dtype)
 
     def checkpoint_layout(self) -> dict[str, tuple[str, slice | None]]:
         """Checkpoint tensor name -> (our parameter name, its rows or None for all of it)."""
@@ -196,11 +190,11 @@ class CausalLM(nn.Module):
         self, fb: ForwardBatch, pool: MHATokenToKVPool, attn: TorchNativeAttnBackend, meta: AttentionMetadata
     ) -> LogitsOutput:
         h = self.model.embed_tokens(fb.input_ids)
-        cos, sin = self.rope_cache.index_select(0, fb.positions).unsqueeze(2).unbind(1)
+        rope = rope_at(self.rope_cache, fb.positions)
         captured = []
         capture = fb.capture_layer_ids or ()
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, (cos, sin), fb, pool, attn, meta)
+            h = layer(h, rope, fb, pool, attn, meta)
             if i in capture:
                 captured.append(h)
         logits = None

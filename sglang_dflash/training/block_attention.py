@@ -1,9 +1,9 @@
 """Training forward of a DFlash draft: ALL anchor blocks of a sequence in one pass.
 
-Keys are the context K/V of every position (from the target features) followed by the blocks'
-own K/V; a block-sparse mask lets block j see context positions < a_j and itself (both ways),
-never other blocks. Same math as inference, where context K/V comes from the paged cache.
-Three attention variants compute the same thing:
+The layers are the draft's own (`DraftLayer.forward`, shared with inference); only the keys differ:
+here the context K/V of every position (from the target features) followed by the blocks' own K/V,
+where block j sees context positions < a_j and itself (both ways), never other blocks (inference
+reads the context K/V from the paged cache). Three attention variants compute the same thing:
 - "split" (the trainer's default): scores against the context (masked by anchor) and against the
   block's own B keys are computed separately and share one softmax, so no work is spent on the other
   blocks' keys (with m blocks of B, a dense mask wastes (m-1)*B keys per query);
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_dflash.models.dflash import DFlashDraftModel
-from sglang_dflash.models.rotary import apply_rotary
+from sglang_dflash.models.dflash import DFlashDraftModel, DraftAttention, block_input_ids
+from sglang_dflash.models.rotary import rope_at
 
 
 def block_mask(anchors: torch.Tensor, seq_len: int, block: int) -> torch.Tensor:
@@ -80,45 +80,39 @@ def split_block_attention(
     return (out + out_blk).transpose(0, 1)
 
 
-def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, block: int, mask_token_id: int):
-    """Block token ids [m, B] = [x_a, MASK...] and positions [m, B] = a..a+B-1."""
-    cols = torch.arange(block, device=anchors.device)
-    positions = anchors[:, None] + cols[None, :]
-    ids = torch.where(cols[None, :] == 0, input_ids[anchors][:, None], mask_token_id)
-    return ids, positions
+class AnchorBlockAttention:
+    """Training keys of m anchor blocks of one sequence: each layer's context K/V of every position (its
+    own `project_kv` of ctx), then the blocks' own K/V; block j sees context < a_j and itself."""
+
+    def __init__(self, draft: DFlashDraftModel, ctx: torch.Tensor, anchors: torch.Tensor, block: int, attention: str):
+        if attention not in ("split", "sdpa", "flex"):
+            raise ValueError(f"attention must be 'split', 'sdpa' or 'flex', got {attention!r}")
+        seq_len = ctx.shape[0]
+        self.ctx, self.anchors, self.block = ctx, anchors, block
+        self.rope_ctx = rope_at(draft.rope, torch.arange(seq_len, device=ctx.device))
+        self.mask = None
+        if attention == "sdpa":
+            self.mask = block_mask(anchors, seq_len, block)
+        elif attention == "flex":
+            self.mask = flex_block_mask(anchors, seq_len, block)
+
+    def __call__(self, attn: DraftAttention, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
+        kc, vc = attn.project_kv(self.ctx, self.rope_ctx)
+        if self.mask is None:
+            return split_block_attention(q, kc, vc, kb, vb, self.anchors, self.block)
+        k, v = torch.cat([kc, kb]).transpose(0, 1)[None], torch.cat([vc, vb]).transpose(0, 1)[None]
+        return block_attention(q.transpose(0, 1)[None], k, v, self.mask, attn.nkv != attn.nh)[0].transpose(0, 1)
 
 
 def draft_blocks_forward(
     draft: DFlashDraftModel, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor, block: int,
     attention: str = "split",
 ) -> torch.Tensor:
-    """Final hidden states [m*B, H] (before the final norm) of every anchor block of one sequence.
-    attention: "split", "sdpa" or "flex" (same result)."""
-    seq_len = features.shape[0]
+    """Final hidden states [m*B, H] (before the final norm) of every anchor block [x_a, MASK...] at
+    positions a..a+B-1 of one sequence. attention: "split", "sdpa" or "flex" (same result)."""
     ctx = draft.project_context(features)
-    ids, positions = block_inputs(input_ids, anchors, block, draft.config.mask_token_id)
+    attend = AnchorBlockAttention(draft, ctx, anchors, block, attention)
+    ids = block_input_ids(input_ids[anchors], block, draft.config.mask_token_id)
+    positions = anchors[:, None] + torch.arange(block, device=anchors.device)[None, :]
     h = draft.embed_tokens(ids.flatten()).to(ctx.dtype)
-    cos_ctx = draft.cos_sin_cache[:seq_len]
-    cos_blk = draft.cos_sin_cache.index_select(0, positions.flatten())
-    if attention not in ("split", "sdpa", "flex"):
-        raise ValueError(f"attention must be 'split', 'sdpa' or 'flex', got {attention!r}")
-    mask = None
-    if attention == "sdpa":
-        mask = block_mask(anchors, seq_len, block)
-    elif attention == "flex":
-        mask = flex_block_mask(anchors, seq_len, block)
-    for layer in draft.layers:
-        a = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = apply_rotary(a.q_norm(a.q_proj(x).view(-1, a.nh, a.hd)), cos_blk)
-        kb = apply_rotary(a.k_norm(a.k_proj(x).view(-1, a.nkv, a.hd)), cos_blk)
-        kc = apply_rotary(a.k_norm(a.k_proj(ctx).view(-1, a.nkv, a.hd)), cos_ctx)
-        vc, vb = a.v_proj(ctx).view(-1, a.nkv, a.hd), a.v_proj(x).view(-1, a.nkv, a.hd)
-        if mask is None:
-            o = split_block_attention(q, kc, vc, kb, vb, anchors, block)
-        else:
-            k, v = torch.cat([kc, kb]).transpose(0, 1), torch.cat([vc, vb]).transpose(0, 1)
-            o = block_attention(q.transpose(0, 1)[None], k[None], v[None], mask, a.nkv != a.nh)[0].transpose(0, 1)
-        h = h + a.o_proj(o.reshape(-1, a.nh * a.hd))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return h
+    return draft.run_layers(h, positions.flatten(), attend)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sglang_dflash.engine.engine import Engine
+from sglang_dflash.entrypoints.engine import Engine
 
 
 def dev_tau(
     checkpoint: Path, prompts: list[list[int]], model_path: str | None, max_new_tokens: int, device: str = "cpu"
 ) -> float:
-    """Mean over prompts of the committed tokens per verify step (REFERENCE.md section 4)."""
+    """Mean over prompts of the committed tokens per verify step (bonus included), as the DFlash paper's tau."""
     if not prompts:
         return float("nan")
     longest = max(map(len, prompts)) + max_new_tokens

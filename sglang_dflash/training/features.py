@@ -1,12 +1,13 @@
 """Target features for training: teacher-forced prefill of whole sequences through our own
-ModelRunner, capturing the residual stream after the drafter's target layers."""
+ModelRunner, capturing the residual stream after the drafter's target layers (optionally cached)."""
 
 from __future__ import annotations
 
 import torch
 
-from sglang_dflash.engine.forward_batch import ForwardBatch, ForwardMode
-from sglang_dflash.engine.model_runner import ModelRunner
+from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
+from sglang_dflash.runtime.model_runner import ModelRunner
+from sglang_dflash.training.feature_cache import FeatureCache
 
 
 @torch.inference_mode()
@@ -31,3 +32,39 @@ def target_features(runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple
         runner.token_to_kv_pool_allocator.free(slots)
         for row in rows:
             runner.req_to_token_pool.free(row)
+
+
+class TrainingFeatures:
+    """Target features of training records, rounded to bfloat16 (as the cache stores them, so a run with
+    the cache trains exactly like one without): from the cache when there is one (computing and adding the
+    missing ones in one batch), otherwise computed."""
+
+    def __init__(self, runner: ModelRunner, layer_ids: tuple[int, ...], cache: FeatureCache | None):
+        self.runner, self.layer_ids, self.cache = runner, layer_ids, cache
+
+    def __call__(self, recs: list[dict], seqs: list[list[int]]) -> list[torch.Tensor]:
+        if self.cache is None:
+            return [f.to(torch.bfloat16) for f in target_features(self.runner, seqs, self.layer_ids)]
+        device = self.runner.device
+        found = [self.cache.get(r["id"]) for r in recs]
+        found = [None if f is None else f.to(device) for f in found]
+        missing = [i for i, f in enumerate(found) if f is None or f.shape[0] != len(seqs[i])]
+        if missing:
+            for i, f in zip(missing, target_features(self.runner, [seqs[i] for i in missing], self.layer_ids)):
+                found[i] = f.to(torch.bfloat16)
+                self.cache.put(recs[i]["id"], found[i])
+        return found
+
+    @torch.no_grad()
+    def rms(self, seqs: list[list[int]], batch: int) -> torch.Tensor:
+        """Per-dimension RMS of the (unrounded) features of these sequences ([K*H], float32), `batch` at a time."""
+        device = self.runner.device
+        width = len(self.layer_ids) * self.runner.model_config.hidden_size
+        if not seqs:
+            return torch.ones(width, device=device)
+        total, count = torch.zeros(width, device=device), 0
+        for start in range(0, len(seqs), batch):
+            for f in target_features(self.runner, seqs[start : start + batch], self.layer_ids):
+                total += f.float().pow(2).sum(0)
+                count += f.shape[0]
+        return (total / count).sqrt().clamp_min(1e-3)

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from sglang_dflash.engine.forward_batch import ForwardBatch, ForwardMode
-from sglang_dflash.engine.model_runner import ModelRunner
-from sglang_dflash.engine.sampler import (
+from sglang_dflash.models.llama import LogitsOutput
+from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
+from sglang_dflash.runtime.model_runner import ModelRunner
+from sglang_dflash.sampling.sampler import (
     SamplingBatchInfo,
     apply_penalties,
     draw_uniforms,
     penalty_state,
     sample,
 )
-from sglang_dflash.models.llama import LogitsOutput
 from sglang_dflash.scheduler.future_map import FutureMap
 from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
 

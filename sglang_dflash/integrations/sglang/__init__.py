@@ -14,6 +14,13 @@ __all__ = ["ALGORITHM", "IMPL_ENV", "register"]
 _registered = False
 
 
+def worker_class(server_args: object) -> type:
+    """Worker factory for SpeculativeAlgorithm.register (imported lazily: it pulls in SGLang's runtime)."""
+    from sglang_dflash.integrations.sglang.worker import DFlashSGLangWorker
+
+    return DFlashSGLangWorker
+
+
 def register() -> None:
     """Registers the algorithm, the DFLASH routing step and the hooks (once per process)."""
     global _registered
@@ -24,7 +31,7 @@ def register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang_dflash.integrations.sglang.hooks import HOOKS
-    from sglang_dflash.integrations.sglang.routing import DFlashSpecAlgo, route_dflash, worker_class
+    from sglang_dflash.integrations.sglang.routing import DFlashSpecAlgo, route_dflash
 
     SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=True, spec_class=DFlashSpecAlgo)(worker_class)
     register_resolution_hook("handle_speculative_decoding")(route_dflash)

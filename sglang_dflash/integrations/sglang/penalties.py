@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from sglang_dflash.speculative.accept import block_history
 
 
 def has_penalties(params: Any) -> bool:
@@ -71,9 +72,7 @@ class PenaltyState:
         def per_req(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)[:, None, None]
 
-        drafts = F.one_hot(candidates[idx, 1:], vocab).to(torch.float32)
-        before = torch.cat([drafts.new_zeros(len(sel), 1, vocab), drafts.cumsum(1)], dim=1)
-        counts = self.counts[rpi[idx]][:, None] + before  # [n, B, V]: outputs before each row
+        counts = block_history(self.counts[rpi[idx]], candidates[idx])  # [n, B, V]: outputs before each row
         rows = logits[idx]
         rows -= per_req([p.frequency_penalty for p in params]) * counts
         rows -= per_req([p.presence_penalty for p in params]) * (counts > 0)

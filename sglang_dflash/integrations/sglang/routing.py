@@ -18,12 +18,15 @@ from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 from sglang.srt.speculative.spec_info import CustomSpecAlgo
 
 from sglang_dflash.models.dflash_config import DFlashConfig
+from sglang_dflash.speculative.drafter import merge_block_flags, resolve_block_size
+from sglang_dflash.speculative.policy import SpecOptions
 
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "SGLANG_DFLASH"  # registered name; DFLASH is routed to it
 IMPL_ENV = "SGLANG_DFLASH_IMPL"  # "sglang_dflash" (ours) or "sglang" (SGLang's built-in)
 IMPLS = ("sglang_dflash", "sglang")
+LOOKUP_ENV = "SGLANG_DFLASH_LOOKUP"  # "0" turns context-lookup proposals off (they need --disable-overlap-schedule)
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # as SGLang's DFLASH
 
 
@@ -51,6 +54,12 @@ def route_dflash(server_args: Any, previous: Callable[[Any], None]) -> None:
     logger.info("sglang_dflash: --speculative-algorithm DFLASH on %r runs %s", cfg.device, ALGORITHM)
 
 
+def spec_options(block_size: int, adaptive: bool) -> SpecOptions:
+    """The proposer options of the plugin: SGLang has no flags for them, so they come from the environment."""
+    lookup = os.environ.get(LOOKUP_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return SpecOptions(block_size, adaptive=adaptive, lookup=lookup)
+
+
 def drafter_dir(path: str) -> Path:
     """A local DFlash checkpoint directory, downloading a Hugging Face repo id if needed."""
     local = Path(path).expanduser()
@@ -59,13 +68,6 @@ def drafter_dir(path: str) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors"]))
-
-
-def worker_class(server_args: Any) -> type:
-    """Worker factory for SpeculativeAlgorithm.register (imported lazily: it pulls in SGLang's runtime)."""
-    from sglang_dflash.integrations.sglang.worker import DFlashSGLangWorker
-
-    return DFlashSGLangWorker
 
 
 class DFlashSpecAlgo(CustomSpecAlgo):
@@ -94,14 +96,10 @@ class DFlashSpecAlgo(CustomSpecAlgo):
         if server_args.pp_size != 1:
             raise ValueError("sglang_dflash's DFLASH worker supports pp_size == 1 only")
         drafter_block = DFlashConfig.load(drafter_dir(path)).block_size
-        tokens, block = server_args.speculative_num_draft_tokens, server_args.speculative_dflash_block_size
-        if tokens is not None and block is not None and int(tokens) != int(block):
-            raise ValueError(
-                f"--speculative-num-draft-tokens {tokens} and --speculative-dflash-block-size {block} differ"
-            )
-        size = int(tokens or block or drafter_block)
-        if not 1 <= size <= drafter_block:
-            raise ValueError(f"DFLASH block size {size} must be in [1, {drafter_block}] for drafter {path}")
+        requested = merge_block_flags(
+            server_args.speculative_num_draft_tokens, server_args.speculative_dflash_block_size
+        )
+        size = resolve_block_size(requested, drafter_block)
         server_args.speculative_num_steps = 1
         server_args.speculative_eagle_topk = 1
         server_args.speculative_num_draft_tokens = size

@@ -25,15 +25,16 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 from torch import nn
 
-from sglang_dflash.engine.memory_pool import MHATokenToKVPool
-from sglang_dflash.engine.sampler import SamplingBatchInfo
 from sglang_dflash.integrations.sglang.draft_input import DFlashDraftInput
 from sglang_dflash.integrations.sglang.hooks import missing_hooks
 from sglang_dflash.integrations.sglang.penalties import PenaltyState, has_penalties
-from sglang_dflash.integrations.sglang.routing import ALGORITHM, DFlashSpecAlgo, drafter_dir
-from sglang_dflash.kernels import greedy_accept, sampling_accept
-from sglang_dflash.models.dflash import DFlashDraftModel, load_draft_model
-from sglang_dflash.workers.dflash_worker import block_target_probs, propose_block
+from sglang_dflash.integrations.sglang.routing import ALGORITHM, DFlashSpecAlgo, drafter_dir, spec_options
+from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
+from sglang_dflash.sampling.sampler import SamplingBatchInfo
+from sglang_dflash.speculative.dflash_step import DFlashStep
+from sglang_dflash.speculative.draft_block import DraftBlock
+from sglang_dflash.speculative.drafter import load_drafter
+from sglang_dflash.speculative.policy import SpecPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +91,23 @@ class DFlashSGLangWorker(BaseSpecWorker):
         spec = get_spec()
         self.block_size = int(spec.speculative_num_draft_tokens)
         path = drafter_dir(spec.speculative_draft_model_path)
-        self.draft: DFlashDraftModel = load_draft_model(path, self.device, runner.dtype)
-        cfg = self.draft.config
+        model = runner.model
         target_cfg = runner.model_config.hf_text_config
-        cfg.check_target(target_cfg)
+        self.draft = load_drafter(path, self.device, runner.dtype, target_cfg, model.model.embed_tokens,
+                                  TargetHead(model.lm_head.weight))
+        cfg = self.draft.config
         if max(cfg.target_layer_ids) > target_cfg.num_hidden_layers - 2:
             raise ValueError(f"SGLang captures target layers 0..{target_cfg.num_hidden_layers - 2} only, "
                              f"the drafter needs {cfg.target_layer_ids}")
-        model = runner.model
-        self.draft.bind_target(model.model.embed_tokens, TargetHead(model.lm_head.weight))
-        self.draft.prepare_inference(self.device)
         model.set_dflash_layers_to_capture(list(cfg.target_layer_ids))
         self.generator = torch.Generator(self.device).manual_seed(server_args.random_seed or 0)
-        self.draft_pool: MHATokenToKVPool | None = None
+        # SGLang's own host lists are current only without its overlap loop: lookup needs them
+        self.host_current = bool(server_args.disable_overlap_schedule)
+        self.policy = SpecPolicy(spec_options(self.block_size, adaptive=False), None)
+        self.step: DFlashStep | None = None  # made with the draft pool, once SGLang sized its KV pool
         self.penalties: PenaltyState | None = None  # made when the first request with penalties arrives
+        self.verifying: tuple[ScheduleBatch, Callable[[], None] | None] | None = None  # the step's batch
+        self.verify_output: tuple[Any, bool] | None = None  # its logits output, for SGLang's result
         logger.info(
             "sglang_dflash: speculative algorithm %s runs %s.%s (drafter %s: %d layers, block %d, target layers %s)",
             ALGORITHM, type(self).__module__, type(self).__qualname__, path, cfg.num_hidden_layers,
@@ -127,10 +131,11 @@ class DFlashSGLangWorker(BaseSpecWorker):
         super().alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
         cfg = self.draft.config
         slots = self.target_worker.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0]
-        self.draft_pool = MHATokenToKVPool(
+        pool = MHATokenToKVPool(
             slots - 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.draft.fc.weight.dtype,
             self.device,
         )
+        self.step = DFlashStep(self.draft, pool, self.policy)
 
     # ---- the Spec-V2 call ----
     def forward_batch_generation(
@@ -155,6 +160,8 @@ class DFlashSGLangWorker(BaseSpecWorker):
         positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
         self.materialize(logits_output.hidden_states, positions, batch.out_cache_loc)
         logits_output.hidden_states = None
+        for req in batch.reqs:
+            req.spec_state = None  # a new or recomputed request: its proposer state starts over
         if any(has_penalties(r.sampling_params) for r in batch.reqs):
             if self.penalties is None:
                 vocab = self.target_worker.model_runner.model_config.vocab_size
@@ -170,52 +177,67 @@ class DFlashSGLangWorker(BaseSpecWorker):
         self, batch: ScheduleBatch, on_publish: Callable[[torch.Tensor], None] | None,
         grammar_barrier: Callable[[], None] | None,
     ) -> GenerationBatchResult:
-        """Draft [bonus, MASK x (B-1)], verify the chain with the target, accept, publish, materialise the
-        committed rows. Every returned tensor is fresh: SGLang reads them after the next step has run."""
+        """The shared DFlash step with SGLang's verify; every returned tensor is fresh: SGLang reads them after
+        the next step has run."""
         block = self.block_size
-        bs = len(batch.reqs)
-        req_to_token = self.req_to_token_pool.req_to_token
         rpi = batch.req_pool_indices.to(torch.int64)
         prefix = batch.seq_lens.to(torch.int64)
         bonus = batch.spec_info.bonus_tokens.to(torch.int64)
-        block_lens = torch.full((bs,), block, dtype=torch.int64, device=self.device)
-        kv_bound = min(max(r.kv.kv_allocated_len for r in batch.reqs), req_to_token.shape[1])
-        drafts = propose_block(
-            self.draft, self.draft_pool.k_buffer, self.draft_pool.v_buffer, req_to_token, rpi, bonus, prefix,
-            block_lens, block, kv_bound,
+        kv_bound = min(max(r.kv.kv_allocated_len for r in batch.reqs), self.req_to_token_pool.req_to_token.shape[1])
+        for r in batch.reqs:
+            if getattr(r, "spec_state", None) is None:
+                r.spec_state = self.policy.new_state()
+        states = [r.spec_state for r in batch.reqs]
+        histories = [(r.origin_input_ids, r.output_ids) for r in batch.reqs] if self.host_current else None
+        plans = self.step.plan(states, histories, [block] * len(batch.reqs))
+        self.verifying = (batch, grammar_barrier)
+        out = self.step.decode(self, self.req_to_token_pool.req_to_token, rpi, prefix, bonus, states, plans, kv_bound)
+        logits_output, can_run_cuda_graph = self.verify_output
+        self.verifying = self.verify_output = None
+        width = out.out_tokens.shape[1]
+        if self.penalties is not None:
+            self.penalties.commit(rpi, out.out_tokens, out.accept_lens + 1)
+        out_tokens = out.out_tokens.clamp_min(0).flatten()  # SGLang reads the first accept_lens + 1 of each row
+        if on_publish is not None:
+            on_publish(out.new_seq_lens)
+        if batch.return_logprob:
+            compute_spec_logprobs(batch, logits_output, out_tokens, chain_stride=width)
+        return GenerationBatchResult(
+            logits_output=logits_output, next_token_ids=out_tokens, accept_lens=(out.accept_lens + 1).to(torch.int32),
+            next_draft_input=DFlashDraftInput(out.next_bonus, out.new_seq_lens, block),
+            speculative_num_draft_tokens=width, new_seq_lens=out.new_seq_lens, can_run_cuda_graph=can_run_cuda_graph,
         )
-        candidates = torch.cat([bonus[:, None], drafts], dim=1)  # [bs, B]
-        positions = prefix[:, None] + torch.arange(block, device=self.device)
-        slots = req_to_token[rpi[:, None], positions.clamp(max=req_to_token.shape[1] - 1)].to(torch.int64)
 
-        batch.out_cache_loc = slots.flatten()
+    # ---- VerifyHost ----
+    def verify(self, block: DraftBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        """SGLang's TARGET_VERIFY forward over the [bs, W] chain, then plain decoding's logit adjustments."""
+        batch, grammar_barrier = self.verifying
+        bs, width = block.candidates.shape
+        batch.out_cache_loc = block.slots.flatten()
         verify = DFlashVerifyInput(
-            draft_token=candidates.flatten(), positions=positions.flatten(), draft_token_num=block,
+            draft_token=block.candidates.flatten(), positions=block.positions.flatten(), draft_token_num=width,
             capture_hidden_mode=CaptureHiddenMode.FULL,
         )
         forward_batch, _ = verify.prepare_for_verify(batch, self.target_worker)
         out = self.target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
         logits_output = out.logits_output
-        logits = logits_output.next_token_logits  # [bs * B, V]
-        self.adjust_logits(batch, logits, rpi, candidates, prefix, grammar_barrier)
-        accept_lens, next_bonus, out_tokens = self.accept(candidates, block_lens, logits, batch.sampling_info)
-        if self.penalties is not None:
-            self.penalties.commit(rpi, out_tokens, accept_lens + 1)
-        out_tokens = out_tokens.clamp_min(0).flatten()  # SGLang reads the first accept_lens + 1 of each row
-        new_seq_lens = prefix + accept_lens + 1
-        if on_publish is not None:
-            on_publish(new_seq_lens)
-
-        committed = torch.arange(block, device=self.device)[None, :] <= accept_lens[:, None]
-        self.materialize(logits_output.hidden_states, positions.flatten(), torch.where(committed, slots, 0).flatten())
+        features = logits_output.hidden_states
+        if features is None or features.shape[0] != bs * width:
+            got = None if features is None else tuple(features.shape)
+            raise RuntimeError(f"sglang_dflash: expected captured target features for {bs * width} tokens, got {got}")
         logits_output.hidden_states = None
-        if batch.return_logprob:
-            compute_spec_logprobs(batch, logits_output, out_tokens, chain_stride=block)
-        return GenerationBatchResult(
-            logits_output=logits_output, next_token_ids=out_tokens, accept_lens=(accept_lens + 1).to(torch.int32),
-            next_draft_input=DFlashDraftInput(next_bonus, new_seq_lens, block), speculative_num_draft_tokens=block,
-            new_seq_lens=new_seq_lens, can_run_cuda_graph=out.can_run_cuda_graph,
-        )
+        logits = logits_output.next_token_logits  # [bs * W, V]
+        self.adjust_logits(batch, logits, block.req_pool_indices, block.candidates, block.seq_lens, grammar_barrier)
+        self.verify_output = (logits_output, out.can_run_cuda_graph)
+        return logits.view(bs, width, -1), features
+
+    def sampling(self, block: DraftBlock) -> tuple[SamplingBatchInfo | None, torch.Tensor | None]:
+        info = self.verifying[0].sampling_info
+        if info.is_all_greedy:
+            return None, None
+        vocab = self.target_worker.model_runner.model_config.vocab_size
+        uniforms = torch.rand(block.batch_size, block.width + 1, generator=self.generator, device=self.device)
+        return sampling_batch_info(info, vocab), uniforms
 
     def adjust_logits(
         self, batch: ScheduleBatch, logits: torch.Tensor, rpi: torch.Tensor, candidates: torch.Tensor,
@@ -240,24 +262,10 @@ class DFlashSGLangWorker(BaseSpecWorker):
         if info.logit_bias is not None:
             rows.add_(info.logit_bias[:, None])
 
-    def accept(
-        self, candidates: torch.Tensor, block_lens: torch.Tensor, logits: torch.Tensor, info: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Greedy or lossless rejection sampling (our kernels) -> (accepted drafts, next bonus, [bs, B] tokens)."""
-        bs, block = candidates.shape
-        vocab = logits.shape[-1]
-        if info.is_all_greedy:
-            return greedy_accept(candidates, logits.argmax(-1).view(bs, block), block_lens)
-        probs = block_target_probs(logits.view(bs, block, vocab), sampling_batch_info(info, vocab))
-        uniforms = torch.rand(bs, block + 1, generator=self.generator, device=self.device)
-        return sampling_accept(probs, candidates, None, block_lens, uniforms[:, :block], uniforms[:, block])
-
     def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
-        """Draft context K/V of every draft layer for these tokens, from the target's captured features."""
+        """Draft context K/V of these prompt tokens from the target's captured features."""
         if features is None or features.shape[0] != positions.shape[0]:
             got = None if features is None else tuple(features.shape)
             raise RuntimeError(f"sglang_dflash: expected captured target features for {positions.shape[0]} tokens, "
                                f"got {got}")
-        self.draft.materialize_context_kv(
-            features, positions, out_cache_loc.to(torch.int64), self.draft_pool.k_buffer, self.draft_pool.v_buffer
-        )
+        self.step.materialize(features, positions, out_cache_loc.to(torch.int64))

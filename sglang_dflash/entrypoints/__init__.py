@@ -1,0 +1,1 @@
+"""Entry points above the scheduler: the offline Engine, the request builder and the HTTP server."""

@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI-compatible and SGLang-native endpoints over the scheduler thread."""

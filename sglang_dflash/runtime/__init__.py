@@ -1,0 +1,1 @@
+"""Model execution below the scheduler: forward batches, attention, the model runner, tokenizers."""

@@ -1,0 +1,1 @@
+"""Sampling parameters and the batched sampling math (penalties, temperature, top-k/p, min-p)."""

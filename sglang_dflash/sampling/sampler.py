@@ -1,0 +1,148 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, inverse-CDF draws from
+per-request seeded uniforms (so a seed fixes the output), greedy rows by argmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_dflash.sampling.sampling_params import SamplingParams
+
+FAST_K = 256  # candidates examined before falling back to a full sort
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-row sampling parameters as device tensors (one row per logits row)."""
+
+    temperatures: torch.Tensor  # [n] float32 (greedy rows hold 1.0)
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor  # int64, vocab size when disabled
+    min_ps: torch.Tensor
+    greedy: torch.Tensor  # [n] bool
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+    all_greedy: bool
+    any_penalty: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatchInfo:
+        def t(vals, dtype=torch.float32):
+            return torch.tensor(vals, dtype=dtype, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperatures=t([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            top_ps=t([p.top_p for p in params]),
+            top_ks=t([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
+            min_ps=t([p.min_p for p in params]),
+            greedy=t(greedy, torch.bool),
+            repetition=t([p.repetition_penalty for p in params]),
+            frequency=t([p.frequency_penalty for p in params]),
+            presence=t([p.presence_penalty for p in params]),
+            all_greedy=all(greedy),
+            any_penalty=any(p.has_penalties for p in params),
+            need_top_p=any(p.top_p < 1 for p in params),
+            need_top_k=any(0 < p.top_k < vocab_size for p in params),
+            need_min_p=any(p.min_p > 0 for p in params),
+        )
+
+    def select(self, rows: torch.Tensor) -> SamplingBatchInfo:
+        """The info of a subset of rows."""
+        fields = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return SamplingBatchInfo(**fields)
+
+    def expand(self, repeats: torch.Tensor) -> SamplingBatchInfo:
+        """Per-request info -> per-row info, request i repeated repeats[i] times."""
+        fields = {}
+        for name, value in self.__dict__.items():
+            fields[name] = value.repeat_interleave(repeats, 0) if isinstance(value, torch.Tensor) else value
+        return SamplingBatchInfo(**fields)
+
+
+def apply_penalties(
+    logits: torch.Tensor, info: SamplingBatchInfo, output_counts: torch.Tensor, seen_mask: torch.Tensor
+) -> torch.Tensor:
+    """output_counts [n, V]: counts of generated tokens before each row; seen_mask [n, V]: prompt or output.
+    Repetition penalty (HF/SGLang rule) over seen tokens; frequency and presence (OpenAI) over output."""
+    rep = info.repetition[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen_mask, penalised, logits)
+    logits = logits - info.frequency[:, None] * output_counts
+    return logits - info.presence[:, None] * (output_counts > 0).to(logits.dtype)
+
+
+def logits_to_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Temperature, softmax, then top-k, top-p and min-p masks on the sorted probs, renormalised.
+
+    Exact fast path: the filters are evaluated on the top FAST_K tokens of each row, which decides
+    every row whose kept set provably ends inside them; only the other rows are fully sorted."""
+    probs = torch.softmax(logits.float() / info.temperatures[:, None], dim=-1)
+    if not (info.need_top_k or info.need_top_p or info.need_min_p):
+        return probs
+    k = min(FAST_K, probs.shape[-1])
+    top, order = probs.topk(k, dim=-1)
+    keep = _filter_sorted(top, info)
+    # a token past rank k survives only if the top-k filter, top-p mass and min-p bound all let it
+    spill = (info.top_ks > k) & (top.sum(-1) <= info.top_ps) & (top[:, -1] >= top[:, 0] * info.min_ps)
+    out = torch.zeros_like(probs).scatter_(-1, order, top * keep)
+    rows = spill.nonzero().squeeze(1) if k < probs.shape[-1] else spill.new_zeros(0, dtype=torch.int64)
+    if rows.numel():
+        sorted_probs, full_order = probs[rows].sort(dim=-1, descending=True)
+        sub = _filter_sorted(sorted_probs, info.select(rows))
+        out[rows] = torch.zeros_like(sorted_probs).scatter_(-1, full_order, sorted_probs * sub)
+    return out / out.sum(-1, keepdim=True)
+
+
+def _filter_sorted(sorted_probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Keep-mask over probs sorted in descending order (ranks within the row)."""
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    keep = ranks[None, :] < info.top_ks[:, None]
+    keep &= (sorted_probs.cumsum(-1) - sorted_probs) <= info.top_ps[:, None]
+    return keep & (sorted_probs >= sorted_probs[:, :1] * info.min_ps[:, None])
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first index whose cumulative probability exceeds u * total."""
+    cdf = probs.cumsum(-1)
+    u = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def draw_uniforms(generators: list[torch.Generator], per_req: int, device: torch.device) -> torch.Tensor:
+    """[len(generators), per_req] float32 uniforms, each request from its own generator."""
+    rows = [torch.rand(per_req, generator=g) for g in generators]
+    return torch.stack(rows).to(device)
+
+
+def sample(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor) -> torch.Tensor:
+    """Next token per row (penalties already applied to logits); only sampled rows build a distribution."""
+    greedy_ids = logits.argmax(-1)
+    if info.all_greedy:
+        return greedy_ids
+    rows = (~info.greedy).nonzero().squeeze(1)
+    sampled = sample_from_probs(logits_to_probs(logits[rows], info.select(rows)), uniforms[rows])
+    return greedy_ids.index_copy(0, rows, sampled)
+
+
+def penalty_state(
+    output_ids: list[list[int]], prompt_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output_counts [n, V] float32, seen_mask [n, V] bool) for rows with these token histories."""
+    n = len(output_ids)
+    counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+    seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+    for i, (out, prompt) in enumerate(zip(output_ids, prompt_ids)):
+        if out:
+            ids = torch.tensor(out, dtype=torch.int64, device=device)
+            counts[i].index_add_(0, ids, torch.ones(len(out), device=device))
+            seen[i, ids] = True
+        if prompt:
+            seen[i, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+    return counts, seen

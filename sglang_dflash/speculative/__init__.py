@@ -1,0 +1,1 @@
+"""The DFlash decode step shared by both hosts: block proposal, verify inputs, accept, block penalties."""

@@ -1,0 +1,159 @@
+"""CostModel: the time of a speculative step as a function of its verify tokens and draft tokens.
+
+Piecewise-linear in each, from timed forwards of the real target and drafter on the actual device at
+start-up (`calibrate`: one request, short context), then corrected online from measured steps by least
+squares that forget old steps: seconds ~ a * verify(T) + c * draft(D) + b * T. `a` absorbs what a real batch
+adds to every step (attention over long contexts, host work), `c` the draft forward's share, `b` what each
+verify token costs beyond the calibration.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+FORGET = 0.99  # weight of the past in the online fit, per observed step
+PRIOR_WEIGHT = 0.2  # the prior a = 1, b = 0 counts as this many steps
+TYPICAL_TOKENS = 32  # verify tokens of the prior's steps
+
+
+class CostModel:
+    def __init__(self, verify: dict[int, float], draft: dict[int, float]):
+        self.verify_points = _monotone(verify)
+        self.draft_points = _monotone(draft)
+        self.coef = np.array([1.0, 1.0, 0.0])  # a, c, b
+        # the prior (a = c = 1, b = 0) weighs as PRIOR_WEIGHT steps of typical features, and never fades
+        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], float(TYPICAL_TOKENS)])
+        self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
+        self.prior_xy = self.prior_xx @ self.coef
+        self.xx = np.zeros((3, 3))
+        self.xy = np.zeros(3)
+
+    def features(self, verify_tokens: int, draft_tokens: int) -> np.ndarray:
+        draft = _interp(self.draft_points, draft_tokens) if draft_tokens else 0.0
+        return np.array([_interp(self.verify_points, verify_tokens), draft, float(verify_tokens)])
+
+    def calibrated(self, verify_tokens: int, draft_tokens: int) -> float:
+        return float(self.features(verify_tokens, draft_tokens)[:2].sum())
+
+    def step_time(self, verify_tokens: int, draft_tokens: int) -> float:
+        """Predicted seconds of a step verifying `verify_tokens` (all requests) with a draft forward over
+        `draft_tokens` (0: no draft forward)."""
+        a, c, b = self.coef
+        verify = _interp(self.verify_points, verify_tokens)
+        draft = _interp(self.draft_points, draft_tokens) if draft_tokens else 0.0
+        return a * verify + c * draft + b * verify_tokens
+
+    def step_times(self, verify_tokens: np.ndarray, draft_tokens: np.ndarray) -> np.ndarray:
+        """step_time of many candidate steps at once."""
+        a, c, b = self.coef
+        vx, vy = np.array(self.verify_points, dtype=np.float64).T
+        dx, dy = np.array(self.draft_points, dtype=np.float64).T
+        verify = _interp_many(vx, vy, verify_tokens)
+        draft = np.where(draft_tokens > 0, _interp_many(dx, dy, draft_tokens), 0.0)
+        return a * verify + c * draft + b * verify_tokens
+
+    def observe(self, verify_tokens: int, draft_tokens: int, seconds: float) -> None:
+        """One measured step: refit (a, c, b), kept a, c >= 0.2 and b >= 0 (more tokens never cost less)."""
+        if seconds <= 0:
+            return
+        x = self.features(verify_tokens, draft_tokens)
+        self.xx = FORGET * self.xx + np.outer(x, x)
+        self.xy = FORGET * self.xy + x * seconds
+        coef = np.linalg.solve(self.xx + self.prior_xx, self.xy + self.prior_xy)
+        self.coef = np.maximum(coef, [0.2, 0.2, 0.0])
+
+    def to_dict(self) -> dict:
+        return {"verify": dict(self.verify_points), "draft": dict(self.draft_points), "coef": self.coef.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls({int(k): v for k, v in d["verify"].items()}, {int(k): v for k, v in d["draft"].items()})
+
+
+def _monotone(points: dict[int, float]) -> list[tuple[int, float]]:
+    """Sorted points made non-decreasing: more tokens never cost less (timing noise aside)."""
+    out, top = [], 0.0
+    for n, t in sorted(points.items()):
+        top = max(top, t)
+        out.append((n, top))
+    return out
+
+
+def _interp(points: list[tuple[int, float]], x: int) -> float:
+    """Piecewise-linear through the points: flat below the first (a forward has a fixed cost), extended
+    linearly past the last."""
+    if len(points) == 1 or x <= points[0][0]:
+        return points[0][1]
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return points[i][1]
+    lo, hi = points[max(0, min(i - 1, len(points) - 2))], points[max(1, min(i, len(points) - 1))]
+    return lo[1] + (hi[1] - lo[1]) * (x - lo[0]) / (hi[0] - lo[0])
+
+
+def _interp_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """_interp over an array: flat below the first point, linear past the last."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.interp(x, xs, ys)
+    if len(xs) > 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        out = np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), out)
+    return out
+
+
+def time_call(fn: Callable[[], object], sync: Callable[[], None], repeats: int = 5) -> float:
+    """Fastest of `repeats` timed calls of fn() after one warm-up call (the least disturbed by other load)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def calibrate(
+    verify: Callable[[int], object], draft: Callable[[int], object], sync: Callable[[], None], max_tokens: int,
+    draft_block: int,
+) -> CostModel:
+    """Times verify(n) (a target forward over n new tokens) and draft(n) (a draft forward over n tokens,
+    n a multiple of draft_block) for n up to max_tokens."""
+    sizes = [n for n in CALIBRATION_TOKENS if n <= max_tokens] or [1]
+    draft_sizes = sorted({max(draft_block, n // draft_block * draft_block) for n in sizes})
+    return CostModel(
+        {n: time_call(lambda n=n: verify(n), sync) for n in sizes},
+        {n: time_call(lambda n=n: draft(n), sync) for n in draft_sizes},
+    )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SGLANG_DFLASH_CACHE", Path.home() / ".cache" / "sglang_dflash")) / "cost_models"
+
+
+def load_or_calibrate(key: dict, run: Callable[[], CostModel]) -> CostModel:
+    """The cost model calibrated earlier for this key (device, model, drafter, dtype, threads), else run()."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{digest}.json"
+    if path.is_file():
+        try:
+            return CostModel.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError):
+            pass  # a corrupt cache entry is recalibrated
+    model = run()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**model.to_dict(), "key": key}))
+    tmp.replace(path)
+    return model

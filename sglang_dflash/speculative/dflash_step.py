@@ -1,0 +1,127 @@
+"""DFlashStep: THE DFlash decode step, shared by our engine's worker and the SGLang worker.
+
+    plan (host)  ->  propose  ->  host.verify  ->  accept  ->  materialise  ->  StepOutput
+
+Per request the plan picks a source (DFlash, context lookup, or none) and a block length. DFlash rows run
+one draft forward over [bonus, MASK, ...]; lookup rows take their n-gram continuation; the target verifies
+every block in one forward; the committed rows' draft context K/V is materialised from the verify pass's
+captured features, so DFlash can resume at any step whatever the source was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
+from sglang_dflash.models.dflash import DFlashDraftModel, block_input_ids
+from sglang_dflash.sampling.sampler import SamplingBatchInfo
+from sglang_dflash.speculative.accept import accept
+from sglang_dflash.speculative.draft_block import DraftBlock
+from sglang_dflash.speculative.policy import DFLASH, LOOKUP, Plan, ReqSpecState, SpecPolicy
+
+
+class VerifyHost(Protocol):
+    """What a host gives the step: the target's verify forward and the sampling of its requests."""
+
+    def verify(self, block: DraftBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target forward over every request's block -> (logits [bs, W, V] with the host's logit adjustments
+        (penalties, logit bias, grammar) applied, captured features [bs * W, F]; rows outside a block are
+        ignored)."""
+        ...
+
+    def sampling(self, block: DraftBlock) -> tuple[SamplingBatchInfo | None, torch.Tensor | None]:
+        """(sampling info, uniforms [bs, W + 1]) of the batch; (None, None) when every request is greedy."""
+        ...
+
+
+@dataclass
+class StepOutput:
+    accept_lens: torch.Tensor  # [bs] accepted drafts
+    next_bonus: torch.Tensor  # [bs] the token sampled after the last accepted one
+    out_tokens: torch.Tensor  # [bs, W] committed tokens (bonus, accepted drafts, next bonus), -1 padded
+    new_seq_lens: torch.Tensor  # [bs] committed KV length after this step
+    block_lens: list[int]
+    plans: list[Plan]
+
+
+class DFlashStep:
+    def __init__(self, draft: DFlashDraftModel, draft_pool: MHATokenToKVPool, policy: SpecPolicy):
+        self.draft = draft
+        self.draft_pool = draft_pool
+        self.policy = policy
+        self.unobserved: tuple[list[ReqSpecState], list[Plan], torch.Tensor] | None = None  # the last step
+
+    def plan(
+        self, states: list[ReqSpecState], histories: list[tuple[list[int], list[int]]] | None, limits: list[int]
+    ) -> list[Plan]:
+        """The policy's plan for the next step, after learning from the previous one."""
+        if self.unobserved is not None:
+            prev_states, prev_plans, accept_lens = self.unobserved
+            self.policy.observe(prev_states, prev_plans, accept_lens.tolist())
+            self.unobserved = None
+        return self.policy.plan(states, histories, limits)
+
+    # ---- prefill and commit ----
+    def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """Draft context K/V of every draft layer for these tokens, from the target's captured features."""
+        self.draft.materialize_context_kv(
+            features, positions, out_cache_loc, self.draft_pool.k_buffer, self.draft_pool.v_buffer
+        )
+
+    # ---- decode ----
+    def decode(
+        self, host: VerifyHost, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+        bonus: torch.Tensor, states: list[ReqSpecState], plans: list[Plan], kv_bound: int,
+    ) -> StepOutput:
+        block_lens = [p.block_len for p in plans]
+        block = DraftBlock.build(req_to_token, req_pool_indices, seq_lens, bonus, block_lens)
+        self.propose(block, plans, req_to_token, kv_bound)
+        logits, features = host.verify(block)
+        info, uniforms = host.sampling(block)
+        accept_lens, next_bonus, out_tokens = accept(block.candidates, block.block_lens, logits, info, uniforms)
+        committed = block.committed(accept_lens)
+        self.materialize(features, block.positions.flatten(), torch.where(committed, block.out_cache_loc, 0).flatten())
+        self.unobserved = (states, plans, accept_lens)
+        return StepOutput(accept_lens, next_bonus, out_tokens, seq_lens + accept_lens + 1, block_lens, plans)
+
+    def propose(self, block: DraftBlock, plans: list[Plan], req_to_token: torch.Tensor, kv_bound: int) -> None:
+        """Fills columns 1.. of the candidates: lookup continuations from the host, DFlash drafts from one
+        draft forward over the DFlash rows."""
+        if block.width == 1:
+            return
+        device = block.candidates.device
+        rows = [i for i, p in enumerate(plans) if p.source == LOOKUP]
+        if rows:
+            toks = torch.zeros(len(rows), block.width - 1, dtype=torch.int64)
+            for r, i in enumerate(rows):
+                toks[r, : len(plans[i].lookup_tokens)] = torch.tensor(plans[i].lookup_tokens, dtype=torch.int64)
+            block.candidates[torch.tensor(rows, device=device), 1:] = toks.to(device)
+        rows = [i for i, p in enumerate(plans) if p.source == DFLASH]
+        if rows:
+            idx = torch.tensor(rows, device=device)
+            drafts = self.draft_block(
+                req_to_token, block.req_pool_indices[idx], block.candidates[idx, 0], block.seq_lens[idx],
+                [plans[i].block_len for i in rows], kv_bound,
+            )
+            block.candidates[idx, 1 : drafts.shape[1] + 1] = drafts
+
+    def draft_block(
+        self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bonus: torch.Tensor,
+        seq_lens: torch.Tensor, block_lens: list[int], kv_bound: int,
+    ) -> torch.Tensor:
+        """Draft tokens [n, W - 1] (W = max block_lens): one draft forward over the padded blocks
+        [bonus, MASK, ...]. Each block writes its own K/V into its slots (rewritten by context K/V once
+        committed)."""
+        blk = DraftBlock.build(req_to_token, req_pool_indices, seq_lens, bonus, block_lens)
+        n, width = blk.candidates.shape
+        input_ids = block_input_ids(bonus, width, self.draft.config.mask_token_id)
+        kv_indices = req_to_token[req_pool_indices, :kv_bound].long()
+        hidden = self.draft(
+            input_ids.flatten(), blk.positions.flatten(), blk.out_cache_loc.flatten(), kv_indices,
+            seq_lens + blk.block_lens, width, self.draft_pool.k_buffer, self.draft_pool.v_buffer,
+        )
+        logits = self.draft.compute_logits(hidden.view(n, width, -1)[:, 1:].reshape(n * (width - 1), -1))
+        return self.draft.map_draft_tokens(logits.argmax(-1)).view(n, width - 1)

@@ -1,0 +1,148 @@
+"""Adaptive speculation: per request and step, which proposer and how many tokens to verify.
+
+Each request keeps a running estimate of the conditional acceptance at every block position for each
+source (DFlash, context lookup), starting from a prior shared by all requests (learnt from all of them); a
+request that has not tried DFlash for EXPLORE_EVERY steps tries a short block, so the estimates follow the
+text. Extending request i's block from b to b + 1 tokens adds
+prod_{k<=b} p_ik expected committed tokens; a step's cost comes from a cost model of the verify tokens
+and the draft forward (`CostModel`). The plan takes the expected-gain-sorted extensions while they raise
+expected tokens per second, for a batch with and without a draft forward, and keeps the better one.
+B = 1 is a plain decode row: a request whose proposals do not pay costs what plain decoding costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sglang_dflash.speculative.cost_model import CostModel
+from sglang_dflash.speculative.lookup import NgramIndex
+
+DFLASH, LOOKUP, NONE = "dflash", "lookup", "none"
+REQ_RATE = 0.3  # weight of a new observation in a request's estimate
+PRIOR_RATE = 0.05  # ... in the shared prior new requests start from
+EXPLORE_EVERY = 64  # a request that has not tried DFlash for this many steps tries a short block
+EXPLORE_BLOCK = 4
+
+
+@dataclass
+class SpecOptions:
+    block_size: int  # the largest block (the drafter's, or the server's limit)
+    adaptive: bool = True
+    lookup: bool = True
+    lookup_min_n: int = 2
+    lookup_max_n: int = 4
+
+
+@dataclass
+class ReqSpecState:
+    """A request's proposer state: its n-gram index and acceptance estimates per source and position."""
+
+    index: NgramIndex
+    accept: dict[str, list[float]]
+    since_dflash: int = EXPLORE_EVERY  # steps since DFlash was last verified for this request
+
+
+@dataclass
+class Plan:
+    """One request's part of a step: the source and the number of tokens verified (bonus included)."""
+
+    source: str
+    block_len: int
+    lookup_tokens: list[int] = field(default_factory=list)
+
+
+class SpecPolicy:
+    def __init__(self, options: SpecOptions, cost: CostModel | None, dflash_prior: list[float] | None = None):
+        self.options = options
+        self.cost = cost
+        width = options.block_size - 1
+        self.prior = {
+            DFLASH: list(dflash_prior or [0.5] * width)[:width],
+            LOOKUP: [0.7] * width,
+        }
+
+    def new_state(self) -> ReqSpecState:
+        o = self.options
+        return ReqSpecState(NgramIndex(o.lookup_min_n, o.lookup_max_n), {s: list(p) for s, p in self.prior.items()})
+
+    def plan(
+        self, states: list[ReqSpecState], histories: list[tuple[list[int], list[int]]] | None, limits: list[int]
+    ) -> list[Plan]:
+        """Plans one step. histories: each request's (prompt, outputs) with the bonus last, when the host has
+        them up to date (lookup needs them), else None; limits: each request's largest block."""
+        lookups = [([], 0)] * len(states)
+        if self.options.lookup and histories is not None:
+            for st, (prompt, output) in zip(states, histories):
+                st.index.sync(prompt, output)
+            lookups = [st.index.propose(lim - 1) for st, lim in zip(states, limits)]
+        if not self.options.adaptive:
+            return [
+                Plan(LOOKUP, 1 + len(t), t) if t else Plan(DFLASH, lim) if lim > 1 else Plan(NONE, 1)
+                for (t, _), lim in zip(lookups, limits)
+            ]
+        lookup_gains = [_prefix_gains(st.accept[LOOKUP], len(t)) for st, (t, _) in zip(states, lookups)]
+        dflash_gains = [_prefix_gains(st.accept[DFLASH], lim - 1) for st, lim in zip(states, limits)]
+        best = self._best(lookups, lookup_gains, None)
+        with_draft = self._best(lookups, lookup_gains, dflash_gains)
+        plans = max(best, with_draft, key=lambda x: x[0])[1]
+        for i, (st, lim) in enumerate(zip(states, limits)):  # keep learning what DFlash would give
+            if st.since_dflash >= EXPLORE_EVERY and plans[i].source == NONE and lim > 1:
+                plans[i] = Plan(DFLASH, min(lim, EXPLORE_BLOCK))
+        return plans
+
+    def _best(self, lookups, lookup_gains, dflash_gains) -> tuple[float, list[Plan]]:
+        """The best plan of a batch without (dflash_gains None) or with a draft forward: (expected tokens per
+        second, plans). Each row takes the source whose proposal promises more."""
+        sources, gains = [], []
+        for i, (toks, _) in enumerate(lookups):
+            src, g = (LOOKUP, lookup_gains[i]) if toks else (NONE, [])
+            if dflash_gains is not None and sum(dflash_gains[i]) > sum(g):
+                src, g = DFLASH, dflash_gains[i]
+            sources.append(src)
+            gains.append(g)
+        ranked = sorted(((g, i) for i, row in enumerate(gains) for g in row), reverse=True)
+        lens = [1] * len(lookups)
+        draft_rows = draft_width = 0  # the draft forward runs over the DFlash rows, at their longest block
+        drafted = [0]  # draft tokens after taking the first n extensions
+        for _, i in ranked:
+            lens[i] += 1
+            if sources[i] == DFLASH:
+                draft_rows += lens[i] == 2
+                draft_width = max(draft_width, lens[i])
+            drafted.append(draft_rows * draft_width)
+        bs = len(lookups)  # verify tokens: one per request (the bonus) plus the drafts taken
+        expected = bs + np.concatenate([[0.0], np.cumsum([g for g, _ in ranked])])
+        rates = expected / self.cost.step_times(bs + np.arange(len(ranked) + 1), np.array(drafted))
+        taken = int(np.argmax(rates))
+        best_rate = float(rates[taken])
+        best_lens = [1] * len(lookups)
+        for _, i in ranked[:taken]:
+            best_lens[i] += 1
+        plans = []
+        for src, n, (toks, _) in zip(sources, best_lens, lookups):
+            src = src if n > 1 else NONE
+            plans.append(Plan(src, n, toks[: n - 1] if src == LOOKUP else []))
+        return best_rate, plans
+
+    def observe(self, states: list[ReqSpecState], plans: list[Plan], accepted: list[int]) -> None:
+        """Updates the estimates from a verified step: request i accepted `accepted[i]` of its drafts."""
+        for st, plan, a in zip(states, plans, accepted):
+            st.since_dflash = 0 if plan.source == DFLASH else st.since_dflash + 1
+            for src, est in st.accept.items():
+                observed = plan.block_len - 1 if src == plan.source else 0
+                prior = self.prior[src]
+                for k in range(min(a + 1, observed, len(est))):  # position k was verified
+                    hit = 1.0 if k < a else 0.0
+                    est[k] += REQ_RATE * (hit - est[k])
+                    prior[k] += PRIOR_RATE * (hit - prior[k])
+
+
+def _prefix_gains(accept: list[float], n: int) -> list[float]:
+    """Expected extra committed tokens of each of the first n drafts: cumulative products of acceptance."""
+    out, p = [], 1.0
+    for q in accept[:n]:
+        p *= q
+        out.append(p)
+    return out

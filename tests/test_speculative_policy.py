@@ -1,0 +1,102 @@
+"""The adaptive speculation policy's parts: the n-gram index against a brute-force search, the cost model,
+and block-size choices that follow acceptance and cost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_dflash.speculative.cost_model import CostModel, load_or_calibrate
+from sglang_dflash.speculative.lookup import NgramIndex
+from sglang_dflash.speculative.policy import DFLASH, LOOKUP, NONE, SpecOptions, SpecPolicy
+
+
+def brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
+    """Longest suffix n-gram with an earlier occurrence (the latest one); its next k tokens."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k], n
+    return [], 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ngram_index_matches_brute_force(seed: int):
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 20])
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+    index = NgramIndex(2, 4)
+    output: list[int] = []
+    for _ in range(60):
+        output.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))  # a step commits 1..3 tokens
+        index.sync(prompt, output)
+        assert index.propose(7) == brute_force_lookup(prompt + output, 2, 4, 7)
+
+
+def test_ngram_index_restarts_after_retraction():
+    index = NgramIndex(2, 3)
+    index.sync([1, 2, 3], [1, 2, 3, 1])
+    index.sync([1, 2, 3], [4])  # the outputs were recomputed: history shrank
+    assert index.tokens == [1, 2, 3, 4] and index.propose(4) == ([], 0)
+
+
+def test_cost_model_is_monotone_and_interpolates():
+    cost = CostModel({1: 0.05, 2: 0.04, 4: 0.06, 8: 0.10}, {16: 0.01, 32: 0.03})
+    times = [cost.step_time(n, 0) for n in range(1, 20)]
+    assert times == sorted(times) and times[0] == pytest.approx(0.05)
+    assert cost.step_time(6, 0) == pytest.approx(0.08)  # halfway between 4 and 8
+    assert cost.step_time(16, 16) == pytest.approx(cost.step_time(16, 0) + 0.01)
+    flat = CostModel({1: 0.05, 16: 0.05, 64: 0.1}, {16: 0.01})  # CPU-like: flat up to 16 verify tokens
+    for tokens in (4, 8, 16, 12) * 10:  # measured: twice the calibration plus 5 ms per verify token
+        flat.observe(tokens, 0, 2 * flat.calibrated(tokens, 0) + 0.005 * tokens)
+    assert flat.step_time(4, 0) < flat.step_time(16, 0)
+    cost = flat
+    assert 1.7 < cost.coef[0] < 2.3 and 0.003 < cost.coef[2] < 0.007  # the prior a = 1, b = 0 fades
+
+
+def test_cost_model_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_DFLASH_CACHE", str(tmp_path))
+    calls = []
+
+    def run():
+        calls.append(1)
+        return CostModel({1: 1.0, 2: 2.0}, {16: 1.0})
+
+    a = load_or_calibrate({"device": "cpu"}, run)
+    b = load_or_calibrate({"device": "cpu"}, run)
+    assert len(calls) == 1 and a.to_dict() == b.to_dict()
+
+
+def flat_cost() -> CostModel:
+    """A CPU-like step: verify cost flat to 16 tokens then linear; a draft forward costs a quarter step."""
+    return CostModel({1: 1.0, 16: 1.1, 64: 2.0, 256: 6.0}, {16: 0.25, 256: 1.0})
+
+
+def test_policy_drops_a_useless_drafter_to_plain_decoding():
+    policy = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
+    state = policy.new_state()
+    for _ in range(20):
+        plans = policy.plan([state], None, [16])
+        policy.observe([state], plans, [0])
+    assert plans[0].source == NONE and plans[0].block_len == 1
+
+
+def test_policy_takes_long_blocks_from_an_accepting_drafter():
+    policy = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
+    state = policy.new_state()
+    for _ in range(20):
+        plans = policy.plan([state], None, [16])
+        policy.observe([state], plans, [plans[0].block_len - 1])  # every draft accepted
+    assert plans[0].source == DFLASH and plans[0].block_len == 16
+
+
+def test_policy_prefers_a_matching_lookup_and_shrinks_blocks_under_load():
+    policy = SpecPolicy(SpecOptions(16), flat_cost())
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    plans = policy.plan([policy.new_state()], [(prompt, [3])], [16])  # ... 2, 3 repeats: continue 4, 5, ...
+    assert plans[0].source == LOOKUP and plans[0].lookup_tokens == [4, 5, 6, 7, 8, 9, 1, 2, 3][: plans[0].block_len - 1]
+    alone = policy.plan([policy.new_state()], None, [16])[0].block_len
+    crowd = policy.plan([policy.new_state() for _ in range(48)], None, [16] * 48)
+    assert max(p.block_len for p in crowd) < alone  # 48 requests: verify tokens are no longer free
