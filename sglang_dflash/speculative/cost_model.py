@@ -9,7 +9,6 @@ verify token costs beyond the calibration.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -37,9 +36,12 @@ class CostModel:
         self.xx = np.zeros((3, 3))
         self.xy = np.zeros(3)
 
-    def features(self, verify_tokens: int, draft_tokens: int) -> np.ndarray:
-        draft = _interp(self.draft_points, draft_tokens) if draft_tokens else 0.0
-        return np.array([_interp(self.verify_points, verify_tokens), draft, float(verify_tokens)])
+    def features(self, verify_tokens, draft_tokens) -> np.ndarray:
+        """[..., 3]: calibrated verify time, calibrated draft time (0 without a draft forward), verify tokens."""
+        verify_tokens, draft_tokens = np.asarray(verify_tokens, np.float64), np.asarray(draft_tokens, np.float64)
+        verify = _interp(self.verify_points, verify_tokens)
+        draft = np.where(draft_tokens > 0, _interp(self.draft_points, draft_tokens), 0.0)
+        return np.stack([verify, draft, verify_tokens], axis=-1)
 
     def calibrated(self, verify_tokens: int, draft_tokens: int) -> float:
         return float(self.features(verify_tokens, draft_tokens)[:2].sum())
@@ -47,19 +49,11 @@ class CostModel:
     def step_time(self, verify_tokens: int, draft_tokens: int) -> float:
         """Predicted seconds of a step verifying `verify_tokens` (all requests) with a draft forward over
         `draft_tokens` (0: no draft forward)."""
-        a, c, b = self.coef
-        verify = _interp(self.verify_points, verify_tokens)
-        draft = _interp(self.draft_points, draft_tokens) if draft_tokens else 0.0
-        return a * verify + c * draft + b * verify_tokens
+        return float(self.step_times(verify_tokens, draft_tokens))
 
-    def step_times(self, verify_tokens: np.ndarray, draft_tokens: np.ndarray) -> np.ndarray:
-        """step_time of many candidate steps at once."""
-        a, c, b = self.coef
-        vx, vy = np.array(self.verify_points, dtype=np.float64).T
-        dx, dy = np.array(self.draft_points, dtype=np.float64).T
-        verify = _interp_many(vx, vy, verify_tokens)
-        draft = np.where(draft_tokens > 0, _interp_many(dx, dy, draft_tokens), 0.0)
-        return a * verify + c * draft + b * verify_tokens
+    def step_times(self, verify_tokens, draft_tokens) -> np.ndarray:
+        """step_time of many candidate steps at once (arrays of token counts)."""
+        return self.features(verify_tokens, draft_tokens) @ self.coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, seconds: float) -> None:
         """One measured step: refit (a, c, b), kept a, c >= 0.2 and b >= 0 (more tokens never cost less)."""
@@ -88,22 +82,10 @@ def _monotone(points: dict[int, float]) -> list[tuple[int, float]]:
     return out
 
 
-def _interp(points: list[tuple[int, float]], x: int) -> float:
+def _interp(points: list[tuple[int, float]], x: np.ndarray) -> np.ndarray:
     """Piecewise-linear through the points: flat below the first (a forward has a fixed cost), extended
     linearly past the last."""
-    if len(points) == 1 or x <= points[0][0]:
-        return points[0][1]
-    xs = [p[0] for p in points]
-    i = bisect.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
-        return points[i][1]
-    lo, hi = points[max(0, min(i - 1, len(points) - 2))], points[max(1, min(i, len(points) - 1))]
-    return lo[1] + (hi[1] - lo[1]) * (x - lo[0]) / (hi[0] - lo[0])
-
-
-def _interp_many(xs: np.ndarray, ys: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """_interp over an array: flat below the first point, linear past the last."""
-    x = np.asarray(x, dtype=np.float64)
+    xs, ys = np.array(points, dtype=np.float64).T
     out = np.interp(x, xs, ys)
     if len(xs) > 1:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])

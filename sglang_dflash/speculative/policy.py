@@ -54,12 +54,12 @@ class Plan:
 
 
 class SpecPolicy:
-    def __init__(self, options: SpecOptions, cost: CostModel | None, dflash_prior: list[float] | None = None):
+    def __init__(self, options: SpecOptions, cost: CostModel | None):
         self.options = options
         self.cost = cost
         width = options.block_size - 1
         self.prior = {
-            DFLASH: list(dflash_prior or [0.5] * width)[:width],
+            DFLASH: [0.5] * width,
             LOOKUP: [0.7] * width,
         }
 
