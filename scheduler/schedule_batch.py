@@ -37,6 +37,9 @@ class Req:
         self.req_pool_idx: int | None = None
         self.kv_committed_len = 0  # tokens whose KV is in the cache
         self.kv_allocated_len = 0  # slots reserved in req_to_token row
+        self.prefix_node = None  # the radix cache node this request locks: its row's first cached_len slots
+        self.cached_len = 0  # leading slots of the row owned by the radix cache (the rest are the request's)
+        self.cached_tokens = 0  # prompt tokens served by the radix cache at (first) admission
         seed = sampling_params.seed if sampling_params.seed is not None else torch.seed()
         self.generator = torch.Generator().manual_seed(seed)
         self.created_time = time.perf_counter()
@@ -117,6 +120,7 @@ class Req:
             "id": self.rid,
             "prompt_tokens": len(self.origin_input_ids),
             "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason,
             "e2e_latency": end - self.created_time,
         }

@@ -1,5 +1,7 @@
 """Scheduler: a waiting queue and a running batch. Admission by KV budget and max running
-requests, chunked prefill, retraction of the newest request when KV runs out, release on finish."""
+requests, chunked prefill, retraction of the newest request when KV runs out, release on finish.
+A radix cache keeps committed prefixes: admission matches the longest one, finished and retracted
+requests insert theirs, and its unlocked leaves are evicted when the pool needs room."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Protocol
 import torch
 
 from sglang_dflash.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sglang_dflash.mem_cache.radix_cache import EvictingAllocator, RadixCache
 from sglang_dflash.runtime.forward_batch import ForwardMode
-from sglang_dflash.scheduler.isolation import run_isolated
+from sglang_dflash.scheduler.isolation import fail_culprits, forward_isolated, run_isolated
 from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -34,10 +37,15 @@ class Scheduler:
         max_running_requests: int,
         chunked_prefill_size: int,
         enable_overlap: bool = False,
+        disable_radix_cache: bool = False,
     ):
         self.worker = worker
         self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
+        self.tree_cache = RadixCache(allocator, disable=disable_radix_cache)
+        self.allocator = EvictingAllocator(allocator, self.tree_cache)  # free slots + evictable cached ones
+        self.num_prefill_tokens = 0  # tokens prefilled (computed), recomputation after retraction included
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests (first admission only)
+        self.num_cached_tokens = 0  # of those, tokens the radix cache served
         self.max_running_requests = min(max_running_requests, req_to_token_pool.size)
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting_queue: deque[Req] = deque()
@@ -75,8 +83,8 @@ class Scheduler:
             for req in queue:
                 if req.rid == rid:
                     req.finish({"type": "abort", "message": message})
-                    queue.remove(req)
-                    self.release(req)
+                    queue.remove(req)  # a decoding request's committed tokens stay cached
+                    self.release(req, self.cacheable_len(req) if queue is self.running else 0)
                     return req
         return None
 
@@ -91,16 +99,61 @@ class Scheduler:
         return bool(self.waiting_queue or self.prefilling or self.running or self.in_flight)
 
     # ---- memory ----
-    def release(self, req: Req) -> None:
-        """Returns a request's row and slots; deferred while a launched batch may still use them."""
+    def cacheable_len(self, req: Req) -> int:
+        """Leading tokens of a decoding (or just finished) request whose target KV and draft context KV are
+        written: the committed ones, never the last token (no KV yet) nor speculative slots past them."""
+        return 0 if self.tree_cache.disable else min(req.kv_committed_len, req.seq_len - 1)
+
+    def match_prefix(self, req: Req) -> None:
+        """Points a newly admitted request's row at its longest cached prefix and locks it. The last token
+        is always computed (its logits give the next token), so at most seq_len - 1 tokens match."""
+        slots, node = self.tree_cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+        self.tree_cache.lock(node)
+        self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(slots)] = slots
+        req.prefix_node, req.cached_len = node, len(slots)
+        req.kv_committed_len = req.kv_allocated_len = len(slots)
+        if not req.retracted_count:
+            req.cached_tokens = len(slots)
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Shares a request's prompt as soon as it is computed, while it decodes; unless another request
+        cached more of it meanwhile (then it keeps its own slots until it finishes)."""
+        n = self.cacheable_len(req)
+        key = req.fill_ids[:n]
+        if n <= req.cached_len or len(self.tree_cache.match_prefix(key)[0]) != req.cached_len:
+            return
+        self.tree_cache.insert(key, self.req_to_token_pool.req_to_token[req.req_pool_idx, :n])
+        node = self.tree_cache.match_prefix(key)[1]
+        self.tree_cache.lock(node)
+        self.tree_cache.unlock(req.prefix_node)
+        req.prefix_node, req.cached_len = node, n
+
+    def release(self, req: Req, cache_len: int = 0) -> None:
+        """Returns a request's row and slots: its first cache_len tokens go to the radix cache (see
+        cacheable_len), the rest is freed once no launched batch may still use it."""
         if req.req_pool_idx is None:
             return
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len].clone()
-        self.deferred_frees.append((self.launched, req.req_pool_idx, slots))
-        req.req_pool_idx = None
-        req.kv_allocated_len = 0
-        req.kv_committed_len = 0
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        own = req.cached_len  # row[:own] belongs to the cache already
+        if cache_len > own:  # row[own:cached] duplicates slots the cache had: freed
+            cached = self.tree_cache.insert(req.fill_ids[:cache_len], row[:cache_len])
+            slots = torch.cat([row[own:cached], row[cache_len : req.kv_allocated_len]])
+        else:
+            slots = row[own : req.kv_allocated_len]
+        self.tree_cache.unlock(req.prefix_node)
+        self.deferred_frees.append((self.launched, req.req_pool_idx, slots.clone()))
+        req.req_pool_idx = req.prefix_node = None
+        req.cached_len = req.kv_allocated_len = req.kv_committed_len = 0
         self.free_completed()
+
+    def flush_cache(self) -> bool:
+        """Empties the radix cache; refused (False) while requests wait or run, as in SGLang."""
+        if self.waiting_queue or self.prefilling or self.running:
+            return False
+        self.land()
+        self.free_completed()
+        self.tree_cache.reset()
+        return True
 
     def free_completed(self) -> None:
         keep = []
@@ -125,8 +178,9 @@ class Scheduler:
         return True
 
     def retract(self, req: Req) -> None:
-        """Frees a running request's KV and requeues it at the front; it is recomputed later."""
-        self.release(req)
+        """Frees a running request's KV (its committed tokens stay cached) and requeues it at the front; it is
+        recomputed later, from what the cache still holds."""
+        self.release(req, self.cacheable_len(req))
         req.retracted_count += 1
         self.num_retractions += 1
         self.waiting_queue.appendleft(req)
@@ -156,6 +210,7 @@ class Scheduler:
                 return False
             if not self.ensure_allocated(req, req.kv_committed_len + n):
                 return False
+            self.num_prefill_tokens += n
             reqs.append(req)
             prefix_lens.append(req.kv_committed_len)
             extend_lens.append(n)
@@ -175,11 +230,15 @@ class Scheduler:
                 if idx is None:
                     break
                 req.req_pool_idx = idx
+                self.match_prefix(req)
             if not take(req):
                 self.release(req)
                 break
             self.waiting_queue.popleft()
             self.prefilling.append(req)
+            if not req.retracted_count:
+                self.num_prompt_tokens += len(req.origin_input_ids)
+                self.num_cached_tokens += req.cached_tokens
         if not reqs:
             return None
         return ScheduleBatch(reqs, ForwardMode.EXTEND, prefix_lens, extend_lens)
@@ -233,16 +292,18 @@ class Scheduler:
         if batch is not None:
             batch.host_current = self.in_flight is None
             self.launched += 1
-            launched = (batch, self.executor.submit(self.worker.forward_batch_generation, batch))
+            # isolated on the device thread, in launch order: a request that breaks the batch fails alone
+            launched = (batch, self.executor.submit(forward_isolated, self.worker, batch))
         touched = list(self.finished_by_error)
         prev, self.in_flight = self.in_flight, launched
         if prev is not None:
-            prev_batch, fut = prev
             try:
-                result = fut.result()
+                outcome = prev[1].result()
             finally:
                 self.completed += 1
-            touched += self.process_batch_result(prev_batch, result)
+            touched += fail_culprits(self, outcome)
+            if outcome.batch is not None:
+                touched += self.process_batch_result(outcome.batch, outcome.result)
         return touched
 
     def drain(self) -> None:
@@ -274,9 +335,11 @@ class Scheduler:
                 if req in self.prefilling:
                     self.prefilling.remove(req)
                     self.running.append(req)
+                    if not req.finished():
+                        self.cache_unfinished(req)
             if req.finished():
                 self.running.remove(req)
-                self.release(req)
+                self.release(req, self.cacheable_len(req))
         self.free_completed()
         return touched
 

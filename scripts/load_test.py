@@ -1,7 +1,8 @@
 """Closed-loop load test over real HTTP: output tokens/s, TTFT/TPOT p50/p99, accept length, errors.
 
-Starts each server configuration itself, drives C concurrent streaming chat clients (each sends its next
-request when the previous one ends) on HumanEval and MT-Bench prompts, and writes JSON, a table and a PNG
+Starts every server configuration itself (all at once; each concurrency level runs on every server before
+the next level), drives C concurrent streaming chat clients (each sends its next request when the previous one
+ends) on HumanEval and MT-Bench prompts, and writes JSON, a table and a PNG
 of throughput vs concurrency.
 
 --server ours (default): our server in its speculation modes side by side: AR, DFLASH with fixed blocks
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -251,27 +252,35 @@ def level_stats(records: list[Record], wall: float, before: dict, after: dict) -
     }
 
 
-def run_config(cfg: Config, prompts: list[str], args: argparse.Namespace, out_dir: Path) -> dict[int, dict]:
-    port = free_port()
-    cmd = server_command(cfg, port, args)
-    print(f"== {cfg.name}: {' '.join(cmd)}", flush=True)
-    results = {}
-    with running_server(cmd, port, out_dir / f"server-{cfg.name}.log") as url:
-        info = httpx.get(f"{url}/get_server_info", timeout=30).json()
-        if cfg.host == "ours" and cfg.speculative and info.get("speculative_algorithm") != "DFLASH":
-            raise RuntimeError(f"{cfg.name}: the server runs without DFLASH (no drafter?); pass --draft PATH")
-        asyncio.run(closed_loop(url, prompts[:1], 1, args))  # warm-up, not measured
+def run_configs(configs: list[Config], prompts: list[str], args: argparse.Namespace,
+                out_dir: Path) -> dict[str, dict[int, dict]]:
+    """Serves every configuration at once and runs the levels side by side (each level on every server before
+    the next level), so a slow spell of a shared machine hits all configurations alike."""
+    results: dict[str, dict[int, dict]] = {cfg.name: {} for cfg in configs}
+    with ExitStack() as stack:
+        urls = {}
+        for cfg in configs:
+            port = free_port()
+            cmd = server_command(cfg, port, args)
+            print(f"== {cfg.name}: {' '.join(cmd)}", flush=True)
+            url = stack.enter_context(running_server(cmd, port, out_dir / f"server-{cfg.name}.log"))
+            info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+            if cfg.host == "ours" and cfg.speculative and info.get("speculative_algorithm") != "DFLASH":
+                raise RuntimeError(f"{cfg.name}: the server runs without DFLASH (no drafter?); pass --draft PATH")
+            asyncio.run(closed_loop(url, prompts[:1], 1, args))  # warm-up, not measured
+            urls[cfg.name] = url
         for c in args.concurrency:
             n = max(args.num_prompts, c)
             batch = [prompts[i % len(prompts)] for i in range(n)]
-            before = scrape(url)
-            records, wall = asyncio.run(closed_loop(url, batch, c, args))
-            results[c] = level_stats(records, wall, before, scrape(url))
-            r = results[c]
-            print(f"  c={c:<3} {r['output_tok_s']:8.1f} tok/s  ttft p50 {fmt(r['ttft_p50_ms'])} p99 "
-                  f"{fmt(r['ttft_p99_ms'])} ms  tpot p50 {fmt(r['tpot_p50_ms'])} p99 {fmt(r['tpot_p99_ms'])} ms  "
-                  f"accept {fmt(r['accept_length'], 2)}  step {fmt(r['step_ms'])} ms  host gap "
-                  f"{fmt(r['host_gap_ms'], 2)} ms  errors {r['errors']}", flush=True)
+            for cfg in configs:
+                url = urls[cfg.name]
+                before = scrape(url)
+                records, wall = asyncio.run(closed_loop(url, batch, c, args))
+                r = results[cfg.name][c] = level_stats(records, wall, before, scrape(url))
+                print(f"  {cfg.name:16s} c={c:<3} {r['output_tok_s']:8.1f} tok/s  ttft p50 {fmt(r['ttft_p50_ms'])} "
+                      f"p99 {fmt(r['ttft_p99_ms'])} ms  tpot p50 {fmt(r['tpot_p50_ms'])} p99 {fmt(r['tpot_p99_ms'])} "
+                      f"ms  accept {fmt(r['accept_length'], 2)}  step {fmt(r['step_ms'])} ms  host gap "
+                      f"{fmt(r['host_gap_ms'], 2)} ms  errors {r['errors']}", flush=True)
     return results
 
 
@@ -355,7 +364,7 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.dataset)
-    results = {c.name: run_config(c, prompts, args, args.out) for c in configs if c.name in names}
+    results = run_configs([c for c in configs if c.name in names], prompts, args, args.out)
     summary = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "configs": {c.name: asdict(c) for c in configs if c.name in names},
                "results": results, "ratios": ratios(results, args.concurrency),

@@ -55,6 +55,10 @@ def make_parser() -> ArgumentParser:
         action="store_const", const=True)
     add("--enable-overlap-schedule", "run the overlapped scheduler loop (the default on GPUs)",
         action="store_const", const=True)
+    add("--disable-radix-cache", "no radix prefix cache: every request prefills its whole prompt",
+        action="store_const", const=True)
+    add("--enable-cache-report", "report the prompt tokens served by the prefix cache in OpenAI responses "
+        "(usage.prompt_tokens_details.cached_tokens)", action="store_const", const=True)
     add("--max-running-requests", "requests decoded together at most", type=int)
     add("--max-total-tokens", "KV cache slots", type=int)
     add("--chunked-prefill-size", "prompt tokens prefilled per step at most", type=int)
@@ -72,6 +76,8 @@ def make_parser() -> ArgumentParser:
     add("--max-request-body-mb", "largest request body in MiB; a larger one gets a 413", type=float)
     add("--shutdown-grace-s", "on SIGTERM, seconds running requests get to finish before they are ended "
         "with an error", type=float)
+    add("--request-timeout-s", "a request not finished this many seconds after it arrived (queueing included) is "
+        "aborted with a 504 (default: no deadline)", type=float)
     return p
 
 

@@ -32,6 +32,8 @@ class ServerArgs:
     speculative_lookup_min_match: int = 2
     speculative_lookup_max_match: int = 4
     disable_overlap_schedule: bool | None = None  # None: per device, the faster loop (plain on CPU)
+    disable_radix_cache: bool = False  # no prefix cache: every request prefills its whole prompt
+    enable_cache_report: bool = False  # server: usage.prompt_tokens_details.cached_tokens in OpenAI responses
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
@@ -41,6 +43,7 @@ class ServerArgs:
     max_queued_requests: int = 256  # beyond max_running_requests; more get a 503 with Retry-After
     max_request_body_mb: float = 8.0
     shutdown_grace_s: float = 10.0  # on SIGTERM, running requests get this long to finish
+    request_timeout_s: float | None = None  # server: a request unfinished this long after arrival gets a 504
 
     def __post_init__(self) -> None:
         if self.speculative_algorithm is not None:
@@ -76,6 +79,8 @@ class ServerArgs:
             raise ValueError(f"max_request_body_mb must be in (0, 1024], got {self.max_request_body_mb}")
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ValueError(f"shutdown_grace_s must be in [0, 3600], got {self.shutdown_grace_s}")
+        if self.request_timeout_s is not None and not 0 < self.request_timeout_s <= 86400:
+            raise ValueError(f"request_timeout_s must be in (0, 86400], got {self.request_timeout_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -81,6 +81,17 @@ def test_lone_surrogate_is_refused(engine, kv_clean):
     kv_clean(engine)
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_value_error(engine, kv_clean, monkeypatch):
+    """Templates raise on conversations they do not accept (Qwen3: no user turn); that is the client's error."""
+    tokenizer = engine.tokenizer_manager.tokenizer
+    strict = "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last turn must be the user') }}{% endif %}"
+    monkeypatch.setattr(tokenizer, "chat_template", strict + tokenizer.chat_template)
+    with pytest.raises(ValueError, match="chat template rejected the messages: the last turn must be the user"):
+        engine.chat([{"role": "system", "content": "hi"}], {"max_new_tokens": 4})
+    assert engine.chat([{"role": "user", "content": "hi"}], {"max_new_tokens": 2})["output_ids"]
+    kv_clean(engine)
+
+
 def test_request_beyond_the_kv_pool_is_refused_before_it_runs(tiny_qwen3_dir, kv_clean):
     with Engine(model_path=str(tiny_qwen3_dir), dtype="float32", context_length=512, max_total_tokens=64) as eng:
         with pytest.raises(ValueError, match="max_tokens: 10 prompt tokens \\+ 60 new tokens .* KV cache pool of 64"):

@@ -106,9 +106,9 @@ def test_bf16_emitted_tokens_are_verify_argmax(prompts, reference, monkeypatch):
     mismatches = []
     accept = dflash_step.accept
 
-    def checked_accept(candidates, block_lens, logits, info, uniforms):
-        accept_lens, next_bonus, out_tokens = accept(candidates, block_lens, logits, info, uniforms)
-        argmax = logits.argmax(-1)
+    def checked_accept(block, logits, info, uniforms, draft=None):
+        accept_lens, next_bonus, out_tokens = accept(block, logits, info, uniforms, draft)
+        argmax = block.padded(logits.argmax(-1))
         for i, req in enumerate(worker.batch.reqs):
             n = int(accept_lens[i]) + 1
             tokens = out_tokens[i, :n].tolist()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from sglang_helpers import REPO, VENV_PYTHON, SGLangServer, sglang_env
@@ -238,3 +239,23 @@ def test_shipped_drafter_accept_length(servers, model_dir, chat_texts):
             pytest.xfail(f"shipped drafter accept length {tau:.2f} <= 1.5 on these prompts")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("name", SPEC_SERVERS)
+def test_shared_system_prompt_equals_no_speculation(servers, tokenizer, name):
+    """Requests sharing a system prompt: SGLang's radix cache gives the later ones the slots the first one
+    filled, and our draft KV pool is indexed by those slots; outputs equal those with nothing cached."""
+    system = "You are a concise assistant for a bakery. " * 12 + "Answer in one or two sentences."
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": p}],
+                                           tokenize=False, add_generation_prompt=True) for p in PROMPTS[:4]]
+    server = servers[name]
+    cold = []
+    for text in texts:
+        assert httpx.post(f"{server.url}/flush_cache", params={"timeout": 30}, timeout=60).status_code == 200
+        cold.append(server.generate(text, MAX_TOKENS))
+    warm = [server.generate(text, MAX_TOKENS) for text in texts]
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in cold)
+    assert all(o["meta_info"]["cached_tokens"] > 80 for o in warm)
+    assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in cold]
+    ref = [servers["reference"].generate(text, MAX_TOKENS) for text in texts]
+    assert [o["output_ids"] for o in warm] == [o["output_ids"] for o in ref]

@@ -9,7 +9,7 @@ import pytest
 
 from sglang_dflash.speculative.cost_model import CostModel, load_or_calibrate
 from sglang_dflash.speculative.lookup import NgramIndex
-from sglang_dflash.speculative.policy import DFLASH, LOOKUP, NONE, SpecOptions, SpecPolicy
+from sglang_dflash.speculative.policy import DFLASH, EXPLORE_EVERY, EXPLORE_JOIN, LOOKUP, NONE, SpecOptions, SpecPolicy
 
 
 def brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
@@ -45,7 +45,7 @@ def test_ngram_index_restarts_after_retraction():
 def test_cost_model_is_monotone_and_interpolates():
     cost = CostModel({1: 0.05, 2: 0.04, 4: 0.06, 8: 0.10}, {16: 0.01, 32: 0.03})
     times = [cost.step_time(n, 0) for n in range(1, 20)]
-    assert times == sorted(times) and times[0] == pytest.approx(0.05)
+    assert times == sorted(times) and times[0] == pytest.approx(0.04)  # the 2-token forward bounds the 1-token one
     assert cost.step_time(6, 0) == pytest.approx(0.08)  # halfway between 4 and 8
     assert cost.step_time(16, 16) == pytest.approx(cost.step_time(16, 0) + 0.01)
     flat = CostModel({1: 0.05, 16: 0.05, 64: 0.1}, {16: 0.01})  # CPU-like: flat up to 16 verify tokens
@@ -100,3 +100,21 @@ def test_policy_prefers_a_matching_lookup_and_shrinks_blocks_under_load():
     alone = policy.plan([policy.new_state()], None, [16])[0].block_len
     crowd = policy.plan([policy.new_state() for _ in range(48)], None, [16] * 48)
     assert max(p.block_len for p in crowd) < alone  # 48 requests: verify tokens are no longer free
+
+
+def test_exploration_is_shared_by_the_batch():
+    """A useless drafter in a batch of 32 requests at staggered ages: the requests re-try DFlash in shared draft
+    forwards (about one per EXPLORE_JOIN steps), never one draft forward per request."""
+    policy = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
+    states = [policy.new_state() for _ in range(32)]
+    for i, st in enumerate(states):
+        st.since_dflash = 2 * i  # arrived at different times
+    draft_steps, explored = 0, [0] * 32
+    for _ in range(256):
+        plans = policy.plan(states, None, [16] * 32)
+        draft_steps += any(p.source == DFLASH for p in plans)
+        for i, p in enumerate(plans):
+            explored[i] += p.source == DFLASH
+        policy.observe(states, plans, [0] * 32)
+    assert draft_steps <= 256 // EXPLORE_JOIN + 2
+    assert min(explored) >= 256 // EXPLORE_EVERY  # every request still re-tries DFlash at least that often

@@ -50,6 +50,7 @@ def build_components(args: ServerArgs) -> tuple[TokenizerManager, Scheduler]:
     scheduler = Scheduler(
         worker, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, args.max_running_requests,
         args.chunked_prefill_size, enable_overlap=not args.disable_overlap_schedule,
+        disable_radix_cache=args.disable_radix_cache,
     )
     return tm, scheduler
 
@@ -132,6 +133,10 @@ class Engine:
             if not req.finished():
                 self.scheduler.abort_request(req.rid, "stream closed")
             self.scheduler.land()
+
+    def flush_cache(self) -> bool:
+        """Empties the radix prefix cache (like `sgl.Engine.flush_cache`); False while requests are running."""
+        return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         self.scheduler.abort_all("engine shutdown")

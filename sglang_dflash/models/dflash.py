@@ -23,7 +23,8 @@ from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at
 Attend = Callable[["DraftAttention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(attn, q [T, nH, hd], k [T, nKV, hd], v [T, nKV, hd]) -> o [T, nH, hd]: the attention of the block
 tokens over the keys of their context and of their own block (inference: `PagedBlockAttention`; training:
-`sglang_dflash.training.block_attention.AnchorBlockAttention`)."""
+`sglang_dflash.training.block_attention.AnchorBlockAttention`). Both carry `block`, the width of the blocks
+the T tokens form."""
 
 
 class DraftAttention(nn.Module):
@@ -39,6 +40,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
+        self.causal = False  # causal inside the block (DFlash 2 layers that ask for it)
 
     def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """K = RoPE(k_norm(k_proj(x))), V = v_proj(x), each [T, nKV, hd] (block tokens or context features)."""
@@ -86,8 +88,11 @@ class PagedBlockAttention:
         k_buffer.index_copy_(0, self.out_cache_loc, k.to(k_buffer.dtype))
         v_buffer.index_copy_(0, self.out_cache_loc, v.to(v_buffer.dtype))
         mask = self.visible[:, None, :]
+        offset = self.q_pos[:, :, None] - self.kv_pos[None, None, :]  # query position - key position
+        if attn.causal:
+            mask = mask & (offset >= 0)
         if attn.sliding_window is not None:
-            mask = mask & (self.q_pos[:, :, None] - self.kv_pos[None, None, :] < attn.sliding_window)
+            mask = mask & (offset < attn.sliding_window) & (-offset < attn.sliding_window)
         keys = k_buffer[self.kv_indices].transpose(1, 2)
         values = v_buffer[self.kv_indices].transpose(1, 2)
         o = F.scaled_dot_product_attention(
@@ -106,13 +111,16 @@ def block_input_ids(first_tokens: torch.Tensor, block: int, mask_token_id: int) 
 class DFlashDraftModel(nn.Module):
     """Trainable parts: layers, fc, hidden_norm, norm. `embed_tokens` / `lm_head` are the target's."""
 
+    layer_class = DraftLayer
+    samples_paths = False  # proposals are point masses (argmax); DFlash 2 samples its paths at T > 0
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
         k = len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_tokens: nn.Embedding | None = None
         self.lm_head: nn.Linear | None = None
@@ -173,9 +181,13 @@ class DFlashDraftModel(nn.Module):
         input_ids/positions/out_cache_loc: [bs*block]; kv_indices [bs, max_kv] token slots of each
         request's context followed by its block; kv_lens [bs] = context + real block length.
         """
-        h = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
+        h = self.embed(input_ids)
         attend = PagedBlockAttention(positions, out_cache_loc, kv_indices, kv_lens, block, k_buffer, v_buffer)
         return self.run_layers(h, positions, attend)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Block token embeddings (the target's embedding) in the draft's dtype."""
+        return self.embed_tokens(input_ids).to(self.fc.weight.dtype)
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Block token states h [T, H] at `positions` [T] through every draft layer (before the final norm)."""
@@ -186,7 +198,10 @@ class DFlashDraftModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target vocab (or the draft vocabulary subset, if the checkpoint has one)."""
-        x = self.norm(hidden)
+        return self.head_logits(self.norm(hidden))
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits of normed states x."""
         if self.draft_vocab is None:
             return self.lm_head(x).float()
         head = self.draft_head if self.draft_head is not None else self.lm_head.weight[self.draft_vocab]
@@ -194,6 +209,16 @@ class DFlashDraftModel(nn.Module):
 
     def map_draft_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.draft_vocab is None else self.draft_vocab[ids]
+
+    def propose(
+        self, hidden: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor | None = None,
+        uniforms: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Draft tokens [n, L] of block rows 1.. (hidden [n, L, H]): the argmax of each row, point masses (no
+        distribution). `anchors` (the bonus tokens), `temperatures` and `uniforms` matter to DFlash 2 only."""
+        n, length, _ = hidden.shape
+        logits = self.compute_logits(hidden.reshape(n * length, -1))
+        return self.map_draft_tokens(logits.argmax(-1)).view(n, length), None
 
     # ---- checkpoints ----
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
@@ -228,23 +253,39 @@ class DFlashDraftModel(nn.Module):
         self.load_state_dict(weights, strict=False)
 
 
-def load_draft_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
-    """Reads a DFlash checkpoint directory (config.json + model.safetensors)."""
+def checkpoint_dir(path: str | Path) -> Path:
+    """`path` after checking it holds config.json and model.safetensors."""
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{path} is not a DFlash checkpoint (needs config.json and model.safetensors)")
-    cfg = DFlashConfig.load(path)
+    return path
+
+
+def load_model_weights(
+    cls: type[DFlashDraftModel], cfg: DFlashConfig, path: Path, device: torch.device, dtype: torch.dtype
+) -> DFlashDraftModel:
+    """A `cls` draft of `cfg` with the weights of `path`/model.safetensors, inference-ready in `dtype`."""
     with torch.device("meta"):
-        model = DFlashDraftModel(cfg)
+        model = cls(cfg)
     model = model.to_empty(device=device)
     model.load_weights(load_file(str(path / "model.safetensors"), device=str(device)))
     return model.to(dtype).eval().requires_grad_(False)
 
 
+def load_draft_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
+    """Reads a DFlash checkpoint directory (config.json + model.safetensors)."""
+    path = checkpoint_dir(path)
+    return load_model_weights(DFlashDraftModel, DFlashConfig.load(path), path, device, dtype)
+
+
 def random_draft_model(cfg: DFlashConfig, seed: int = 0, std: float = 0.02) -> DFlashDraftModel:
     """A randomly initialised draft (float32, cpu), for tests and as a training starting point."""
+    return randomise_(DFlashDraftModel(cfg), seed, std)
+
+
+def randomise_(model: DFlashDraftModel, seed: int, std: float) -> DFlashDraftModel:
+    """In place: norm weights 1, matrices N(0, std^2), everything else 0."""
     g = torch.Generator().manual_seed(seed)
-    model = DFlashDraftModel(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -9,6 +9,7 @@ from pathlib import Path
 from sglang_dflash.models.config import ModelConfig
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE2 = "DFlash2DraftModel"  # its config: sglang_dflash.models.dflash2.DFlash2Config
 
 
 def default_target_layer_ids(num_draft_layers: int, num_target_layers: int) -> list[int]:
@@ -51,7 +52,7 @@ class DFlashConfig:
         dc = d.get("dflash_config") or {}
         for key in ("conv_kernel_size", "selector_rank"):
             if dc.get(key):
-                raise ValueError(f"DFlash2 checkpoints ({key} in dflash_config) are not supported yet")
+                raise ValueError(f"{key} in dflash_config: a DFlash2 config needs architectures [{ARCHITECTURE2!r}]")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only silu)")
         scaling = d.get("rope_scaling")
@@ -89,7 +90,13 @@ class DFlashConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> DFlashConfig:
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+        """The checkpoint's config; `DFlashConfig.load` of a DFlash 2 checkpoint gives its `DFlash2Config`."""
+        d = json.loads((Path(path) / "config.json").read_text())
+        if cls is DFlashConfig and ARCHITECTURE2 in (d.get("architectures") or []):
+            from sglang_dflash.models.dflash2 import DFlash2Config  # dflash2 builds on this module
+
+            return DFlash2Config.from_dict(d)
+        return cls.from_dict(d)
 
     def to_dict(self) -> dict:
         d = dict(self.raw)

@@ -13,7 +13,7 @@ from torch import nn
 from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.config import ModelConfig
 from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
-from sglang_dflash.runtime.attention import AttentionMetadata, TorchNativeAttnBackend
+from sglang_dflash.runtime.attention import GroupedMetadata, TorchNativeAttnBackend
 from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 
@@ -80,7 +80,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch, pool: MHATokenToKVPool,
-        attn: TorchNativeAttnBackend, meta: AttentionMetadata,
+        attn: TorchNativeAttnBackend, meta: GroupedMetadata,
     ) -> torch.Tensor:
         T, nh = x.shape[0], self.nh
         qkv = self.qkv_proj(x)
@@ -187,7 +187,7 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, fb: ForwardBatch, pool: MHATokenToKVPool, attn: TorchNativeAttnBackend, meta: AttentionMetadata
+        self, fb: ForwardBatch, pool: MHATokenToKVPool, attn: TorchNativeAttnBackend, meta: GroupedMetadata
     ) -> LogitsOutput:
         h = self.model.embed_tokens(fb.input_ids)
         rope = rope_at(self.rope_cache, fb.positions)

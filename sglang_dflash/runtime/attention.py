@@ -1,5 +1,6 @@
 """Attention backends. The torch backend gathers each request's cached K/V from the paged pool and
-pads the ragged batch; short queries (decode, verify) use batched GEMMs, long ones (prefill) SDPA."""
+pads the ragged batch (1-token rows apart from longer ones); short queries (decode, verify) use batched
+GEMMs, long ones (prefill) SDPA."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ class AttentionMetadata:
     max_q: int
 
 
+@dataclass
+class GroupedMetadata:
+    """A batch mixing 1-token rows (decode) with longer ones (verify blocks, prefill): each group attends on
+    its own, so the 1-token rows are not padded to the longest row. groups: (token indices [t] of the
+    group in the flat batch, or None for the whole batch; its metadata)."""
+
+    groups: list[tuple[torch.Tensor | None, AttentionMetadata]]
+
+
 class TorchNativeAttnBackend:
     """Plain torch ops. Works on every device; other backends implement the same two methods."""
 
@@ -32,35 +42,69 @@ class TorchNativeAttnBackend:
 
     def init_forward_metadata(
         self, fb: ForwardBatch, req_to_token: torch.Tensor, dtype: torch.dtype
-    ) -> AttentionMetadata:
+    ) -> GroupedMetadata:
+        lens = fb.extend_seq_lens_cpu
+        if min(lens) > 1 or max(lens) == 1:
+            return GroupedMetadata([(None, self._metadata(fb, None, lens, req_to_token, dtype))])
         device = fb.input_ids.device
-        bs, nkv = fb.batch_size, self.num_kv_heads
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        groups = []
+        for picked in ([i for i, n in enumerate(lens) if n == 1], [i for i, n in enumerate(lens) if n > 1]):
+            tokens = torch.tensor([t for i in picked for t in range(starts[i], starts[i + 1])], device=device)
+            rows = torch.tensor(picked, device=device)
+            groups.append((tokens, self._metadata(fb, rows, [lens[i] for i in picked], req_to_token, dtype)))
+        return GroupedMetadata(groups)
+
+    def _metadata(
+        self, fb: ForwardBatch, rows: torch.Tensor | None, lens: list[int], req_to_token: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> AttentionMetadata:
+        """Metadata of the requests `rows` of the batch (None: all of them), extended by `lens` tokens each."""
+        device = fb.input_ids.device
+
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            return x if rows is None else x.index_select(0, rows)
+
+        prefix_lens, seq_lens, ext_lens = pick(fb.extend_prefix_lens), pick(fb.seq_lens), pick(fb.extend_seq_lens)
+        bs, nkv = len(lens), self.num_kv_heads
         max_kv = fb.max_seq_len
-        max_q = max(fb.extend_seq_lens_cpu)
-        slots = req_to_token[fb.req_pool_indices, :max_kv]
+        max_q = max(lens)
+        slots = req_to_token[pick(fb.req_pool_indices), :max_kv]
         kv_rows = (slots[:, None, :] * nkv + torch.arange(nkv, device=device)[None, :, None]).reshape(-1)
         kv_pos = torch.arange(max_kv, device=device)
         q_pos = torch.arange(max_q, device=device)
-        limit = fb.extend_prefix_lens[:, None] + q_pos[None, :]  # [bs, max_q] last visible position
-        limit = torch.minimum(limit, (fb.seq_lens - 1)[:, None])
+        limit = prefix_lens[:, None] + q_pos[None, :]  # [bs, max_q] last visible position
+        limit = torch.minimum(limit, (seq_lens - 1)[:, None])
         hidden = kv_pos[None, None, :] > limit[:, :, None]
         bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
         q_pad_index = None
-        if any(e != max_q for e in fb.extend_seq_lens_cpu):
-            total = sum(fb.extend_seq_lens_cpu)
+        if any(e != max_q for e in lens):
+            total = sum(lens)
             starts = torch.arange(bs, device=device) * max_q
-            q_pad_index = torch.repeat_interleave(starts, fb.extend_seq_lens, output_size=total) + _ragged_arange(
-                fb.extend_seq_lens, total
+            q_pad_index = torch.repeat_interleave(starts, ext_lens, output_size=total) + _ragged_arange(
+                ext_lens, total
             )
         k, v = torch.empty(2, bs, nkv, max_kv, self.head_dim, dtype=dtype, device=device)
         return AttentionMetadata(kv_rows, bias[:, None], q_pad_index, k, v, max_q)
 
     def forward(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: GroupedMetadata,
         scale: float,
     ) -> torch.Tensor:
         """q [T, nH, hd]; k_cache/v_cache [slots, nKV, hd] of one layer (new tokens already written).
         Returns [T, nH * hd]."""
+        if len(meta.groups) == 1:
+            return self._attend(q, k_cache, v_cache, meta.groups[0][1], scale)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for tokens, group in meta.groups:
+            out.index_copy_(0, tokens, self._attend(q.index_select(0, tokens), k_cache, v_cache, group, scale))
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         bs, nkv, _, hd = meta.k.shape
         nh, max_q = q.shape[1], meta.max_q
         k = torch.index_select(k_cache.view(-1, hd), 0, meta.kv_rows, out=meta.k.view(-1, hd)).view(meta.k.shape)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -18,7 +19,10 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
             raise ValueError("each message needs a 'role' and a string 'content'")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as e:  # the model's template refuses these messages (e.g. no user turn)
+        raise ValueError(f"the chat template rejected the messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 

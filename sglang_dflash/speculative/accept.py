@@ -2,7 +2,9 @@
 block penalty history (row j of a block sees the drafts d1..dj before it, as plain decoding would).
 
 A proposal is a point mass (DFlash's argmax or a context lookup), so the rejection rule is the same for
-every proposer: accept d_j with probability p_j(d_j), else sample the bonus from the residual.
+every proposer: accept d_j with probability p_j(d_j), else sample the bonus from the residual. A DFlash 2
+drafter that samples its paths brings sparse draft distributions q over its K candidates instead: accept with
+probability min(1, p/q), residual max(p - q, 0); the other rows' proposals are then K-wide point masses.
 """
 
 from __future__ import annotations
@@ -10,32 +12,46 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_dflash.kernels import greedy_accept, sampling_accept
+from sglang_dflash.kernels import greedy_accept, sampling_accept, sparse_sampling_accept
 from sglang_dflash.sampling.sampler import SamplingBatchInfo, logits_to_probs
+from sglang_dflash.speculative.draft_block import DraftBlock
 
 
-def target_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Verify logits [bs, B, V] -> the target distribution of every row, as the plain sampler defines it
-    (temperature, top-k, top-p, min-p); greedy requests get one-hot argmax rows."""
-    bs, block, vocab = logits.shape
-    flat = logits.reshape(bs * block, vocab)
-    row_info = info.expand(torch.full((bs,), block, device=logits.device))
-    probs = logits_to_probs(flat, row_info)
-    probs = torch.where(row_info.greedy[:, None], F.one_hot(flat.argmax(-1), vocab).to(probs.dtype), probs)
-    return probs.view(bs, block, vocab)
+def target_probs(logits: torch.Tensor, row_info: SamplingBatchInfo) -> torch.Tensor:
+    """Verify logits [T, V] -> the target distribution of every row (row_info: one entry per row), as the plain
+    sampler defines it (temperature, top-k, top-p, min-p); greedy rows get one-hot argmax rows."""
+    probs = logits_to_probs(logits, row_info)
+    one_hot = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+    return torch.where(row_info.greedy[:, None], one_hot, probs)
 
 
 def accept(
-    candidates: torch.Tensor, block_lens: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo | None,
-    uniforms: torch.Tensor | None,
+    block: DraftBlock, logits: torch.Tensor, info: SamplingBatchInfo | None, uniforms: torch.Tensor | None,
+    draft: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(accepted drafts [bs], next bonus [bs], committed tokens [bs, B] -1 padded) for logits [bs, B, V].
-    `info` None means every request is greedy; else `uniforms` [bs, B + 1] drive the rejection sampler."""
-    bs, block, _ = logits.shape
+    """(accepted drafts [bs], next bonus [bs], committed tokens [bs, B] -1 padded) for the logits [T, V] of the
+    block's verified tokens. `info` None means every request is greedy; else `uniforms` [bs, B + 1] drive the
+    rejection sampler. Only greedy argmaxes, or sampled rows' probabilities, are padded to the block.
+    `draft`: the sparse distributions (candidate ids, q) [bs, B, K] the drafts were sampled from; None: every
+    draft is a point mass."""
+    width = block.width
     if info is None or info.all_greedy:
-        return greedy_accept(candidates, logits.argmax(-1), block_lens)
-    probs = target_probs(logits, info)
-    return sampling_accept(probs, candidates, block_lens, uniforms[:, :block], uniforms[:, block])
+        return greedy_accept(block.candidates, block.padded(logits.argmax(-1)), block.block_lens)
+    probs = block.padded(target_probs(logits, info.expand(block.block_lens)))
+    u, bonus_u = uniforms[:, :width], uniforms[:, width]
+    if draft is None:
+        return sampling_accept(probs, block.candidates, block.block_lens, u, bonus_u)
+    return sparse_sampling_accept(probs, block.candidates, block.block_lens, *draft, u, bonus_u)
+
+
+def point_masses(candidates: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts of candidates [bs, B] as sparse distributions (ids, q) [bs, B, k]: row j holds d_{j+1} with
+    q = 1, its other k - 1 slots repeat it with q = 0; the last row is unused."""
+    drafts = torch.cat([candidates[:, 1:], candidates[:, -1:]], dim=1)
+    ids = drafts[:, :, None].expand(-1, -1, k).contiguous()
+    q = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    q[:, :, 0] = 1.0
+    return ids, q
 
 
 def block_history(counts: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.dflash import DFlashDraftModel, block_input_ids
 from sglang_dflash.sampling.sampler import SamplingBatchInfo
-from sglang_dflash.speculative.accept import accept
+from sglang_dflash.speculative.accept import accept, point_masses
 from sglang_dflash.speculative.draft_block import DraftBlock
 from sglang_dflash.speculative.policy import DFLASH, LOOKUP, Plan, ReqSpecState, SpecPolicy
 
@@ -27,9 +27,9 @@ class VerifyHost(Protocol):
     """What a host gives the step: the target's verify forward and the sampling of its requests."""
 
     def verify(self, block: DraftBlock) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target forward over every request's block -> (logits [bs, W, V] with the host's logit adjustments
-        (penalties, logit bias, grammar) applied, captured features [bs * W, F]; rows outside a block are
-        ignored)."""
+        """Target forward over every request's block -> (logits [T, V] with the host's logit adjustments
+        (penalties, logit bias, grammar) applied, captured features [T, F]) of the T verified tokens, in
+        `block.rows` order (`block.verified` turns a host's padded [bs, W, ...] rows into these)."""
         ...
 
     def sampling(self, block: DraftBlock) -> tuple[SamplingBatchInfo | None, torch.Tensor | None]:
@@ -54,15 +54,20 @@ class DFlashStep:
         self.policy = policy
         self.unobserved: tuple[list[ReqSpecState], list[Plan], torch.Tensor] | None = None  # the last step
 
-    def plan(
-        self, states: list[ReqSpecState], histories: list[tuple[list[int], list[int]]] | None, limits: list[int]
-    ) -> list[Plan]:
-        """The policy's plan for the next step, after learning from the previous one."""
+    def plan(self, reqs: list, host_current: bool, limits: list[int]) -> tuple[list[ReqSpecState], list[Plan]]:
+        """The policy's plan for the next step of the host's requests (anything with `spec_state`,
+        `origin_input_ids` and `output_ids`), after learning from the previous step. Lookup needs the host's
+        token lists to include every earlier step (`host_current`); limits: each request's largest block."""
         if self.unobserved is not None:
             prev_states, prev_plans, accept_lens = self.unobserved
             self.policy.observe(prev_states, prev_plans, accept_lens.tolist())
             self.unobserved = None
-        return self.policy.plan(states, histories, limits)
+        for r in reqs:
+            if getattr(r, "spec_state", None) is None:  # a new (or recomputed) request starts from the prior
+                r.spec_state = self.policy.new_state()
+        states = [r.spec_state for r in reqs]
+        histories = [(r.origin_input_ids, r.output_ids) for r in reqs] if host_current else None
+        return states, self.policy.plan(states, histories, limits)
 
     # ---- prefill and commit ----
     def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
@@ -78,20 +83,24 @@ class DFlashStep:
     ) -> StepOutput:
         block_lens = [p.block_len for p in plans]
         block = DraftBlock.build(req_to_token, req_pool_indices, seq_lens, bonus, block_lens)
-        self.propose(block, plans, req_to_token, kv_bound)
+        draft = self.propose(block, plans, req_to_token, kv_bound, host)
         logits, features = host.verify(block)
         info, uniforms = host.sampling(block)
-        accept_lens, next_bonus, out_tokens = accept(block.candidates, block.block_lens, logits, info, uniforms)
-        committed = block.committed(accept_lens)
-        self.materialize(features, block.positions.flatten(), torch.where(committed, block.out_cache_loc, 0).flatten())
+        accept_lens, next_bonus, out_tokens = accept(block, logits, info, uniforms, draft)
+        committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
+        self.materialize(features, block.verified(block.positions), block.verified(committed_loc))
         self.unobserved = (states, plans, accept_lens)
         return StepOutput(accept_lens, next_bonus, out_tokens, seq_lens + accept_lens + 1, block_lens, plans)
 
-    def propose(self, block: DraftBlock, plans: list[Plan], req_to_token: torch.Tensor, kv_bound: int) -> None:
+    def propose(
+        self, block: DraftBlock, plans: list[Plan], req_to_token: torch.Tensor, kv_bound: int, host: VerifyHost,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Fills columns 1.. of the candidates: lookup continuations from the host, DFlash drafts from one
-        draft forward over the DFlash rows."""
+        draft forward over the DFlash rows. A drafter that samples its paths (DFlash 2) does so for the
+        host's sampled requests (uniforms from `host.sampling`) and returns the batch's sparse draft
+        distributions (candidate ids, q) [bs, W, K] for the accept; otherwise None (point masses)."""
         if block.width == 1:
-            return
+            return None
         device = block.candidates.device
         rows = [i for i, p in enumerate(plans) if p.source == LOOKUP]
         if rows:
@@ -100,21 +109,35 @@ class DFlashStep:
                 toks[r, : len(plans[i].lookup_tokens)] = torch.tensor(plans[i].lookup_tokens, dtype=torch.int64)
             block.candidates[torch.tensor(rows, device=device), 1:] = toks.to(device)
         rows = [i for i, p in enumerate(plans) if p.source == DFLASH]
-        if rows:
-            idx = torch.tensor(rows, device=device)
-            drafts = self.draft_block(
-                req_to_token, block.req_pool_indices[idx], block.candidates[idx, 0], block.seq_lens[idx],
-                [plans[i].block_len for i in rows], kv_bound,
-            )
-            block.candidates[idx, 1 : drafts.shape[1] + 1] = drafts
+        if not rows:
+            return None
+        idx = torch.tensor(rows, device=device)
+        block_lens = [plans[i].block_len for i in rows]
+        args = (req_to_token, block.req_pool_indices[idx], block.candidates[idx, 0], block.seq_lens[idx], block_lens,
+                kv_bound)
+        info, uniforms = host.sampling(block) if self.draft.samples_paths else (None, None)
+        if info is None:
+            drafts = self.draft_block(*args)
+        else:
+            temperatures = torch.where(info.greedy, 0.0, info.temperatures)[idx]
+            drafts, (ids, q) = self.draft_block(*args, sampling=(temperatures, uniforms[idx, : max(block_lens) - 1]))
+        block.candidates[idx, 1 : drafts.shape[1] + 1] = drafts
+        if info is None:
+            return None
+        draft = point_masses(block.candidates, ids.shape[-1])
+        draft[0][idx, : ids.shape[1]] = ids
+        draft[1][idx, : ids.shape[1]] = q
+        return draft
 
     def draft_block(
         self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, bonus: torch.Tensor,
         seq_lens: torch.Tensor, block_lens: list[int], kv_bound: int,
-    ) -> torch.Tensor:
+        sampling: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Draft tokens [n, W - 1] (W = max block_lens): one draft forward over the padded blocks
         [bonus, MASK, ...]. Each block writes its own K/V into its slots (rewritten by context K/V once
-        committed)."""
+        committed). `sampling` (temperatures [n], 0 = greedy; uniforms [n, W - 1]) samples a DFlash 2 drafter's
+        paths; then (drafts, (candidate ids, q) [n, W - 1, K]) is returned."""
         blk = DraftBlock.build(req_to_token, req_pool_indices, seq_lens, bonus, block_lens)
         n, width = blk.candidates.shape
         input_ids = block_input_ids(bonus, width, self.draft.config.mask_token_id)
@@ -123,5 +146,5 @@ class DFlashStep:
             input_ids.flatten(), blk.positions.flatten(), blk.out_cache_loc.flatten(), kv_indices,
             seq_lens + blk.block_lens, width, self.draft_pool.k_buffer, self.draft_pool.v_buffer,
         )
-        logits = self.draft.compute_logits(hidden.view(n, width, -1)[:, 1:].reshape(n * (width - 1), -1))
-        return self.draft.map_draft_tokens(logits.argmax(-1)).view(n, width - 1)
+        drafts, dist = self.draft.propose(hidden.view(n, width, -1)[:, 1:], bonus, *(sampling or (None, None)))
+        return drafts if sampling is None else (drafts, dist)

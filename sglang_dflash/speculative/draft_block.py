@@ -21,7 +21,7 @@ class DraftBlock:
     positions: torch.Tensor  # [bs, B] int64
     slots: torch.Tensor  # [bs, B] int64 the request's KV slots of these positions
     out_cache_loc: torch.Tensor  # [bs, B] int64 the slots inside each request's block, 0 (padding) outside
-    in_block: torch.Tensor  # [bs, B] bool
+    rows: torch.Tensor  # [T] int64, T = sum(block_lens): the verified tokens' indices in the flat [bs * B] block
 
     @classmethod
     def build(
@@ -37,8 +37,9 @@ class DraftBlock:
         slots = req_to_token[req_pool_indices[:, None], positions.clamp(max=req_to_token.shape[1] - 1)].long()
         candidates = torch.zeros(bonus.shape[0], block, dtype=torch.int64, device=bonus.device)
         candidates[:, 0] = bonus
+        rows = torch.tensor([i * block + j for i, n in enumerate(block_lens_cpu) for j in range(n)], dtype=torch.int64)
         return cls(req_pool_indices, seq_lens, block_lens, list(block_lens_cpu), candidates, positions, slots,
-                   torch.where(in_block, slots, 0), in_block)
+                   torch.where(in_block, slots, 0), rows.to(bonus.device, non_blocking=True))
 
     @property
     def batch_size(self) -> int:
@@ -47,6 +48,22 @@ class DraftBlock:
     @property
     def width(self) -> int:
         return self.candidates.shape[1]
+
+    @property
+    def ragged(self) -> bool:
+        return min(self.block_lens_cpu) < self.width
+
+    def verified(self, x: torch.Tensor) -> torch.Tensor:
+        """[bs, B, ...] -> [T, ...]: the rows of the verified tokens, in order."""
+        flat = x.reshape(-1, *x.shape[2:])
+        return flat.index_select(0, self.rows) if self.ragged else flat
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] rows of the verified tokens -> [bs, B, ...], zeros outside the blocks."""
+        if not self.ragged:
+            return x.view(self.batch_size, self.width, *x.shape[1:])
+        out = x.new_zeros(self.batch_size * self.width, *x.shape[1:]).index_copy_(0, self.rows, x)
+        return out.view(self.batch_size, self.width, *x.shape[1:])
 
     def committed(self, accept_lens: torch.Tensor) -> torch.Tensor:
         """[bs, B] bool: the bonus and the accepted drafts of each row."""

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sglang_dflash.models.dflash import DFlashDraftModel, load_draft_model
+from sglang_dflash.models.dflash import DFlashDraftModel, checkpoint_dir, load_draft_model
+from sglang_dflash.models.dflash2 import DFlash2Config, load_dflash2_model
+from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.packed_linear import can_pack, pack_linears
 
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
@@ -51,8 +53,11 @@ def load_drafter(
     path: str | Path, device: torch.device, dtype: torch.dtype, target_config, embed_tokens: nn.Module,
     lm_head: nn.Module,
 ) -> DFlashDraftModel:
-    """Loads a DFlash checkpoint, checks it against the target and binds the target's embedding and head."""
-    draft = load_draft_model(path, device, dtype)
+    """Loads a DFlash checkpoint (DFlash 1 or 2, as its config's `architectures` says), checks it against the
+    target and binds the target's embedding and head."""
+    dflash2 = isinstance(DFlashConfig.load(checkpoint_dir(path)), DFlash2Config)
+    load = load_dflash2_model if dflash2 else load_draft_model
+    draft = load(path, device, dtype)
     draft.config.check_target(target_config)
     draft.bind_target(embed_tokens, lm_head)
     draft.prepare_inference(device)

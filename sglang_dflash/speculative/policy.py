@@ -3,7 +3,8 @@
 Each request keeps a running estimate of the conditional acceptance at every block position for each
 source (DFlash, context lookup), starting from a prior shared by all requests (learnt from all of them); a
 request that has not tried DFlash for EXPLORE_EVERY steps tries a short block, so the estimates follow the
-text. Extending request i's block from b to b + 1 tokens adds
+text, and every request that has not for EXPLORE_JOIN steps joins it: a batch pays for one exploring draft
+forward every ~EXPLORE_JOIN steps, not one per request. Extending request i's block from b to b + 1 tokens adds
 prod_{k<=b} p_ik expected committed tokens; a step's cost comes from a cost model of the verify tokens
 and the draft forward (`CostModel`). The plan takes the expected-gain-sorted extensions while they raise
 expected tokens per second, for a batch with and without a draft forward, and keeps the better one.
@@ -22,7 +23,8 @@ from sglang_dflash.speculative.lookup import NgramIndex
 DFLASH, LOOKUP, NONE = "dflash", "lookup", "none"
 REQ_RATE = 0.3  # weight of a new observation in a request's estimate
 PRIOR_RATE = 0.05  # ... in the shared prior new requests start from
-EXPLORE_EVERY = 64  # a request that has not tried DFlash for this many steps tries a short block
+EXPLORE_EVERY = 64  # a request that has not tried DFlash for this many steps tries a short block ...
+EXPLORE_JOIN = 32  # ... and so does every request that has not for this many (or whenever a draft forward runs)
 EXPLORE_BLOCK = 4
 
 
@@ -41,7 +43,7 @@ class ReqSpecState:
 
     index: NgramIndex
     accept: dict[str, list[float]]
-    since_dflash: int = EXPLORE_EVERY  # steps since DFlash was last verified for this request
+    since_dflash: int = EXPLORE_JOIN  # steps since DFlash was last verified for this request
 
 
 @dataclass
@@ -87,14 +89,24 @@ class SpecPolicy:
         best = self._best(lookups, lookup_gains, None)
         with_draft = self._best(lookups, lookup_gains, dflash_gains)
         plans = max(best, with_draft, key=lambda x: x[0])[1]
-        for i, (st, lim) in enumerate(zip(states, limits)):  # keep learning what DFlash would give
-            if st.since_dflash >= EXPLORE_EVERY and plans[i].source == NONE and lim > 1:
-                plans[i] = Plan(DFLASH, min(lim, EXPLORE_BLOCK))
+        return self._explore(states, limits, plans)
+
+    def _explore(self, states: list[ReqSpecState], limits: list[int], plans: list[Plan]) -> list[Plan]:
+        """Keeps learning what DFlash would give the requests that stopped using it, in shared draft forwards."""
+        due = [i for i, (st, lim) in enumerate(zip(states, limits))
+               if st.since_dflash >= EXPLORE_JOIN and plans[i].source == NONE and lim > 1]
+        drafting = any(p.source == DFLASH for p in plans)
+        if drafting or any(states[i].since_dflash >= EXPLORE_EVERY for i in due):
+            for i in due:
+                plans[i] = Plan(DFLASH, min(limits[i], EXPLORE_BLOCK))
         return plans
 
     def _best(self, lookups, lookup_gains, dflash_gains) -> tuple[float, list[Plan]]:
         """The best plan of a batch without (dflash_gains None) or with a draft forward: (expected tokens per
-        second, plans). Each row takes the source whose proposal promises more."""
+        second, plans). Each row takes the source whose proposal promises more, then the extensions of all rows
+        are taken in order of expected gain (a row's gains never rise, so its blocks grow one token at a time)
+        while they raise the expected tokens per second."""
+        bs = len(lookups)
         sources, gains = [], []
         for i, (toks, _) in enumerate(lookups):
             src, g = (LOOKUP, lookup_gains[i]) if toks else (NONE, [])
@@ -102,29 +114,25 @@ class SpecPolicy:
                 src, g = DFLASH, dflash_gains[i]
             sources.append(src)
             gains.append(g)
-        ranked = sorted(((g, i) for i, row in enumerate(gains) for g in row), reverse=True)
-        lens = [1] * len(lookups)
-        draft_rows = draft_width = 0  # the draft forward runs over the DFlash rows, at their longest block
-        drafted = [0]  # draft tokens after taking the first n extensions
-        for _, i in ranked:
-            lens[i] += 1
-            if sources[i] == DFLASH:
-                draft_rows += lens[i] == 2
-                draft_width = max(draft_width, lens[i])
-            drafted.append(draft_rows * draft_width)
-        bs = len(lookups)  # verify tokens: one per request (the bonus) plus the drafts taken
-        expected = bs + np.concatenate([[0.0], np.cumsum([g for g, _ in ranked])])
-        rates = expected / self.cost.step_times(bs + np.arange(len(ranked) + 1), np.array(drafted))
+        row = np.repeat(np.arange(bs), [len(g) for g in gains])
+        pos = np.concatenate([np.arange(len(g)) for g in gains]) if len(row) else row
+        flat = np.fromiter((x for g in gains for x in g), np.float64, len(row))
+        order = np.lexsort((pos, -row, -flat))  # by gain; a row's k-th extension before its (k+1)-th
+        row, pos = row[order], pos[order]
+        # the draft forward runs over the DFlash rows, at their longest block
+        is_draft = np.array([s == DFLASH for s in sources], dtype=bool)[row]
+        draft_rows = np.cumsum(is_draft & (pos == 0))
+        draft_width = np.maximum.accumulate(np.where(is_draft, pos + 2, 0)) if len(row) else row
+        drafted = np.concatenate([[0], draft_rows * draft_width])
+        expected = bs + np.concatenate([[0.0], np.cumsum(flat[order])])  # one bonus per request + drafts taken
+        rates = expected / self.cost.step_times(bs + np.arange(len(row) + 1), drafted)
         taken = int(np.argmax(rates))
-        best_rate = float(rates[taken])
-        best_lens = [1] * len(lookups)
-        for _, i in ranked[:taken]:
-            best_lens[i] += 1
+        lens = 1 + np.bincount(row[:taken], minlength=bs)
         plans = []
-        for src, n, (toks, _) in zip(sources, best_lens, lookups):
+        for src, n, (toks, _) in zip(sources, lens.tolist(), lookups):
             src = src if n > 1 else NONE
             plans.append(Plan(src, n, toks[: n - 1] if src == LOOKUP else []))
-        return best_rate, plans
+        return float(rates[taken]), plans
 
     def observe(self, states: list[ReqSpecState], plans: list[Plan], accepted: list[int]) -> None:
         """Updates the estimates from a verified step: request i accepted `accepted[i]` of its drafts."""

@@ -50,8 +50,9 @@ class DFlashWorker:
         self.step = DFlashStep(draft, pool, SpecPolicy(options, None))
         if options.adaptive:
             self.step.policy.cost = self.cost_model(server_args, drafter_path)
-        self.batch: ScheduleBatch | None = None  # the batch being verified, and its sampling info
+        self.batch: ScheduleBatch | None = None  # the batch being verified, its sampling info and KV bound
         self.info: SamplingBatchInfo | None = None
+        self.kv_bound = 0
         logger.info("DFlash drafter %s: %d layers, block %d, target layers %s, adaptive %s, lookup %s", drafter_path,
                     cfg.num_hidden_layers, block_size, list(self.capture_layer_ids), options.adaptive, options.lookup)
 
@@ -90,10 +91,13 @@ class DFlashWorker:
         rpi = self.target.req_pool_indices(batch)
         bonus, seq_lens = self.target.future_map.read(rpi)
         states, plans = self.plan(batch)
-        self.batch = batch
+        kv_bound = batch.kv_bound
+        if batch.host_current:  # the host knows every committed length: bound attention by what this step reads
+            kv_bound = min(kv_bound, max(r.kv_committed_len + p.block_len for r, p in zip(batch.reqs, plans)))
+        self.batch, self.kv_bound = batch, kv_bound
         self.info = SamplingBatchInfo.from_params([r.sampling_params for r in batch.reqs], self.target.vocab_size,
                                                   self.device)
-        out = self.step.decode(self, self.req_to_token, rpi, seq_lens, bonus, states, plans, batch.kv_bound)
+        out = self.step.decode(self, self.req_to_token, rpi, seq_lens, bonus, states, plans, kv_bound)
         self.batch = self.info = None
         self.target.future_map.publish(rpi, out.next_bonus, out.new_seq_lens)
         cost = self.step.policy.cost
@@ -103,26 +107,22 @@ class DFlashWorker:
         return GenerationBatchResult(out.out_tokens, out.accept_lens, out.block_lens, plans)
 
     def plan(self, batch: ScheduleBatch) -> tuple[list[ReqSpecState], list[Plan]]:
-        """Each request's proposer state and plan; lookup only when the host's token lists are current."""
-        for r in batch.reqs:
-            if r.spec_state is None:
-                r.spec_state = self.step.policy.new_state()
-        states = [r.spec_state for r in batch.reqs]
-        histories = [(r.origin_input_ids, r.output_ids) for r in batch.reqs] if batch.host_current else None
+        """Each request's proposer state and plan; no block longer than the tokens a request may still emit."""
         limits = [self.block_size_of(r) for r in batch.reqs]
-        if self.step.policy.options.adaptive:  # no block longer than the tokens a request may still emit
+        if self.step.policy.options.adaptive:
             limits = [max(1, min(n, r.sampling_params.max_new_tokens - len(r.output_ids)))
                       for n, r in zip(limits, batch.reqs)]
-        return states, self.step.plan(states, histories, limits)
+        return self.step.plan(batch.reqs, batch.host_current, limits)
 
     # ---- the cost model of a step ----
     def cost_model(self, server_args: ServerArgs, drafter_path: str) -> CostModel:
         """Calibrated once per device, model, drafter, dtype and thread count (cached on disk)."""
         runner = self.target.model_runner
-        key = {"device": str(self.device), "model": str(runner.model_dir), "drafter": str(drafter_path),
-               "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "block": self.block_size,
-               "cpu": platform.processor() or platform.machine()}
-        max_tokens = min(256, server_args.max_running_requests * self.block_size, runner.max_total_tokens)
+        key = {"calibration": 2, "device": str(self.device), "model": str(runner.model_dir),
+               "drafter": str(drafter_path), "dtype": str(runner.dtype), "threads": torch.get_num_threads(),
+               "block": self.block_size, "cpu": platform.processor() or platform.machine()}
+        max_tokens = min(256, server_args.max_running_requests * self.block_size, runner.max_total_tokens,
+                         self.req_to_token.shape[1])  # one request row holds the calibration's tokens
         return load_or_calibrate(key, lambda: self.calibrate(max_tokens))
 
     def calibrate(self, max_tokens: int) -> CostModel:
@@ -154,22 +154,17 @@ class DFlashWorker:
 
     # ---- VerifyHost ----
     def verify(self, block: DraftBlock) -> tuple[torch.Tensor, torch.Tensor]:
-        """One TARGET_VERIFY forward over every request's block; logits [bs, W, V], features [bs * W, F]."""
-        bs, width = block.candidates.shape
-        in_block = block.in_block
+        """One TARGET_VERIFY forward over the verified tokens of every request's block; logits [T, V],
+        features [T, F]."""
         fb = ForwardBatch.build_from_device(
-            ForwardMode.TARGET_VERIFY, block.candidates[in_block], block.req_pool_indices, block.seq_lens,
-            block.block_lens_cpu, self.batch.kv_bound, self.req_to_token, capture_layer_ids=self.capture_layer_ids,
+            ForwardMode.TARGET_VERIFY, block.verified(block.candidates), block.req_pool_indices, block.seq_lens,
+            block.block_lens_cpu, self.kv_bound, self.req_to_token, capture_layer_ids=self.capture_layer_ids,
         )
         out = self.target.forward(fb)
-        logits, features = out.next_token_logits, out.hidden_states
-        if min(block.block_lens_cpu) < width:  # ragged blocks: pad the rows to [bs, W]
-            logits = logits.new_zeros(bs, width, logits.shape[-1]).index_put_((in_block,), logits)
-            features = features.new_zeros(bs, width, features.shape[-1]).index_put_((in_block,), features)
-        logits = logits.view(bs, width, -1)
+        logits = out.next_token_logits
         if self.info.any_penalty:
             logits = self.penalised(block, logits, self.info)
-        return logits, features.view(bs * width, -1)
+        return logits, out.hidden_states
 
     def sampling(self, block: DraftBlock) -> tuple[SamplingBatchInfo | None, torch.Tensor | None]:
         if self.info.all_greedy:
@@ -177,14 +172,11 @@ class DFlashWorker:
         return self.info, draw_uniforms([r.generator for r in self.batch.reqs], block.width + 1, self.device)
 
     def penalised(self, block: DraftBlock, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """Penalties per row: row j of a block sees the drafts d1..dj as generated tokens."""
-        bs, width, vocab = logits.shape
+        """Penalties per verified row: row j of a block sees the drafts d1..dj as generated tokens."""
         reqs = self.batch.reqs
-        counts, seen = penalty_state([r.output_ids for r in reqs], [r.origin_input_ids for r in reqs], vocab,
-                                     self.device)
+        counts, seen = penalty_state([r.output_ids for r in reqs], [r.origin_input_ids for r in reqs],
+                                     logits.shape[-1], self.device)
         row_counts = block_history(counts, block.candidates)
         row_seen = seen[:, None] | (row_counts > 0)
-        row_info = info.expand(torch.full((bs,), width, device=self.device))
-        flat = apply_penalties(logits.view(bs * width, vocab), row_info, row_counts.view(bs * width, vocab),
-                               row_seen.view(bs * width, vocab))
-        return flat.view(bs, width, vocab)
+        return apply_penalties(logits, info.expand(block.block_lens), block.verified(row_counts),
+                               block.verified(row_seen))

@@ -1,5 +1,6 @@
 """OpenAI-style error bodies `{"error": {"message", "type", "code"}}`, RequestError (a request that fails
-with a status of its own: busy, shutting down, failed in its batch) and the app's exception handlers."""
+with a status of its own: busy, shutting down, failed in its batch, past its deadline) and the app's exception
+handlers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-    413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+    413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError",
 }
 
 

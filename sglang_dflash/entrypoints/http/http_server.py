@@ -66,7 +66,7 @@ def create_app(
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=int(args.max_request_body_mb * 2**20))
-    openai = OpenAIServing(tm, model_name)
+    openai = OpenAIServing(tm, model_name, args.enable_cache_report)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -112,10 +112,10 @@ def create_app(
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        stats = scheduler_thread.stats
-        if stats.num_running_reqs or stats.num_waiting_reqs:
-            return error_response(400, "Cache not flushed: there are pending requests.")
-        return Response("Cache flushed (this engine keeps no prefix cache).\n", status_code=200)
+        """Empties the radix cache; like SGLang, a plain-text 400 while requests are waiting or running."""
+        if await scheduler_thread.flush_cache():
+            return Response("Cache flushed.\n", status_code=200)
+        return Response("Cache not flushed: there are running or waiting requests.\n", status_code=400)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -182,7 +182,7 @@ def build_app(args: ServerArgs) -> FastAPI:
     metrics = Metrics(model_name)
     scheduler_thread = SchedulerThread(scheduler, metrics)
     tm = AsyncTokenizerManager(tokenizer_manager, scheduler_thread,
-                               scheduler.max_running_requests + args.max_queued_requests)
+                               scheduler.max_running_requests + args.max_queued_requests, args.request_timeout_s)
     scheduler_thread.warmup(tm.make_req(input_ids=tm.encode("Hello"), sampling_params={"max_new_tokens": 4}))
     app = create_app(args, tm, scheduler_thread, metrics, model_name)
     scheduler_thread.start()

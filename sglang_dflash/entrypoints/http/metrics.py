@@ -45,7 +45,14 @@ class Metrics:
         )
         self.num_running_reqs = gauge("sglang:num_running_reqs", "Requests in the running batch")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "Requests waiting or prefilling")
-        self.token_usage = gauge("sglang:token_usage", "Fraction of KV cache slots in use")
+        self.token_usage = gauge("sglang:token_usage", "Fraction of KV cache slots in use (not free nor evictable)")
+        self.cache_hit_rate = gauge(
+            "sglang:cache_hit_rate", "Prefix cache hit rate: cached / all prompt tokens of admitted requests"
+        )
+        self.kv_evictable_tokens = gauge(
+            "sglang:kv_evictable_tokens", "KV slots holding radix-cached prefixes no running request uses"
+        )
+        self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served by the prefix cache")
         self.spec_accept_length = gauge(
             "sglang:spec_accept_length", f"Mean tokens committed per verify step (last {ACCEPT_WINDOW} requests)"
         )
@@ -69,6 +76,7 @@ class Metrics:
 
     def on_finished(self, req: Req) -> None:
         self.num_requests.inc()
+        self.cached_tokens.inc(req.cached_tokens)
         reason = req.finished_reason or {}
         if reason.get("type") == "abort":
             self.num_aborted_requests.inc()
@@ -93,6 +101,10 @@ class Metrics:
         self.num_running_reqs.set(num_running)
         self.num_queue_reqs.set(num_queued)
         self.token_usage.set(used_kv / max(total_kv, 1))
+
+    def on_cache(self, evictable_tokens: int, hit_rate: float) -> None:
+        self.kv_evictable_tokens.set(evictable_tokens)
+        self.cache_hit_rate.set(hit_rate)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from sglang_dflash.entrypoints.http.protocol import (
     CompletionRequest,
     CompletionResponse,
     OpenAIRequest,
+    PromptTokensDetails,
     UsageInfo,
 )
 from sglang_dflash.entrypoints.http.scheduler_thread import ReqOutput
@@ -75,9 +76,11 @@ def finish_reason(reason: dict | None) -> str | None:
     return reason["type"] if reason["type"] in ("stop", "length") else "abort"
 
 
-def usage(meta_info: dict) -> UsageInfo:
+def usage(meta_info: dict, cache_report: bool = False) -> UsageInfo:
+    """Token counts; with --enable-cache-report (as in SGLang) prompt_tokens_details.cached_tokens too."""
     p, c = meta_info["prompt_tokens"], meta_info["completion_tokens"]
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    details = PromptTokensDetails(cached_tokens=meta_info["cached_tokens"]) if cache_report else None
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details)
 
 
 def matched_stop(reason: dict | None) -> int | str | None:
@@ -87,15 +90,16 @@ def matched_stop(reason: dict | None) -> int | str | None:
 class ChatFormat:
     """chat.completion responses and chat.completion.chunk stream events of one request."""
 
-    def __init__(self, rid: str, model: str):
-        self.id, self.model = f"chatcmpl-{rid}", model
+    def __init__(self, rid: str, model: str, cache_report: bool = False):
+        self.id, self.model, self.cache_report = f"chatcmpl-{rid}", model, cache_report
 
     def response(self, text: str, last: ReqOutput) -> ChatCompletionResponse:
         reason = last.finished_reason
         choice = ChatCompletionChoice(
             message=ChatMessageOut(content=text), finish_reason=finish_reason(reason), matched_stop=matched_stop(reason)
         )
-        return ChatCompletionResponse(id=self.id, model=self.model, choices=[choice], usage=usage(last.meta_info))
+        return ChatCompletionResponse(id=self.id, model=self.model, choices=[choice],
+                                      usage=usage(last.meta_info, self.cache_report))
 
     def opening(self) -> list[ChatCompletionChunk]:
         delta = ChatDeltaChoice(delta=ChatMessageOut(role="assistant", content=""))
@@ -110,18 +114,20 @@ class ChatFormat:
         return ChatCompletionChunk(id=self.id, model=self.model, choices=[delta])
 
     def usage_chunk(self, last: ReqOutput) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, model=self.model, choices=[], usage=usage(last.meta_info))
+        return ChatCompletionChunk(id=self.id, model=self.model, choices=[],
+                                   usage=usage(last.meta_info, self.cache_report))
 
 
 class CompletionFormat:
     """text_completion responses and stream events of one request."""
 
-    def __init__(self, rid: str, model: str):
-        self.id, self.model = f"cmpl-{rid}", model
+    def __init__(self, rid: str, model: str, cache_report: bool = False):
+        self.id, self.model, self.cache_report = f"cmpl-{rid}", model, cache_report
 
     def response(self, text: str, last: ReqOutput) -> CompletionResponse:
         return CompletionResponse(
-            id=self.id, model=self.model, choices=[self.choice(text, last)], usage=usage(last.meta_info)
+            id=self.id, model=self.model, choices=[self.choice(text, last)],
+            usage=usage(last.meta_info, self.cache_report),
         )
 
     def opening(self) -> list[CompletionResponse]:
@@ -131,7 +137,8 @@ class CompletionFormat:
         return CompletionResponse(id=self.id, model=self.model, choices=[self.choice(out.text, out)])
 
     def usage_chunk(self, last: ReqOutput) -> CompletionResponse:
-        return CompletionResponse(id=self.id, model=self.model, choices=[], usage=usage(last.meta_info))
+        return CompletionResponse(id=self.id, model=self.model, choices=[],
+                                  usage=usage(last.meta_info, self.cache_report))
 
     @staticmethod
     def choice(text: str, out: ReqOutput) -> CompletionChoice:

@@ -14,17 +14,18 @@ from sglang_dflash.scheduler.schedule_batch import Req
 
 
 class OpenAIServing:
-    def __init__(self, tokenizer_manager: AsyncTokenizerManager, model_name: str):
+    def __init__(self, tokenizer_manager: AsyncTokenizerManager, model_name: str, cache_report: bool = False):
         self.tm = tokenizer_manager
         self.model = model_name
+        self.cache_report = cache_report  # usage.prompt_tokens_details.cached_tokens (--enable-cache-report)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         req = await self.tm.run(self.chat_req, body)
-        return await self.serve(req, body, request, adapter.ChatFormat(req.rid, self.model))
+        return await self.serve(req, body, request, adapter.ChatFormat(req.rid, self.model, self.cache_report))
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         req = await self.tm.run(self.completion_req, body)
-        return await self.serve(req, body, request, adapter.CompletionFormat(req.rid, self.model))
+        return await self.serve(req, body, request, adapter.CompletionFormat(req.rid, self.model, self.cache_report))
 
     # ---- request building, on the tokenizer thread ----
     def chat_req(self, body: ChatCompletionRequest) -> Req:

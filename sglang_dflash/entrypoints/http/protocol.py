@@ -92,10 +92,15 @@ class GenerateReqInput(BaseModel):
     rid: str | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens the radix cache served (not computed)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ChatMessageOut(BaseModel):

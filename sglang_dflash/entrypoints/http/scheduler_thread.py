@@ -42,13 +42,19 @@ class SchedulerStats:
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
-    available_kv_tokens: int = 0
+    available_kv_tokens: int = 0  # free + evictable: what new requests can get
     max_total_num_tokens: int = 0
     num_retractions: int = 0
     num_steps: int = 0
     step_time_s: float = 0.0  # total time inside scheduler steps
     host_gap_s: float = 0.0  # total time between consecutive steps while there was work
     num_host_gaps: int = 0
+    free_kv_tokens: int = 0  # slots in no request and not in the radix cache
+    radix_cache_tokens: int = 0  # slots the radix cache holds: evictable + locked by running requests
+    evictable_kv_tokens: int = 0  # cached slots no running request locks
+    num_prefill_tokens: int = 0  # tokens prefilled (computed) since start
+    num_cached_tokens: int = 0  # prompt tokens the radix cache served since start
+    cache_hit_rate: float = 0.0  # num_cached_tokens / prompt tokens of admitted requests
 
 
 @dataclass
@@ -70,6 +76,14 @@ class EndAll:
 
     message: str
     status: int
+
+
+@dataclass
+class FlushCache:
+    """Empties the radix cache; `done` gets True, or False while requests wait or run."""
+
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 @dataclass
@@ -116,6 +130,13 @@ class SchedulerThread:
     def end_all(self, message: str, status: int) -> None:
         self.commands.put(EndAll(message, status))
 
+    async def flush_cache(self) -> bool:
+        """Empties the radix cache on the scheduler thread; False while requests wait or run."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.commands.put(FlushCache(loop, done))
+        return await done
+
     def shutdown(self) -> None:
         self.commands.put(STOP)
         self.thread.join(timeout=30)
@@ -161,6 +182,12 @@ class SchedulerThread:
                 self.add_now(cmd)
             elif isinstance(cmd, EndAll):
                 self.end_all_now(cmd.message, cmd.status)
+            elif isinstance(cmd, FlushCache):
+                flushed = False
+                try:  # landing the batch in flight may raise: the caller still gets its answer
+                    flushed = self.scheduler.flush_cache()
+                finally:
+                    cmd.loop.call_soon_threadsafe(cmd.done.set_result, flushed)
             else:
                 self.abort_now(cmd.rid, cmd.message)
         return True
@@ -228,9 +255,15 @@ class SchedulerThread:
         running = len(sched.running)
         waiting = len(sched.waiting_queue) + len(sched.prefilling)
         available = sched.allocator.available_size()
+        cache = sched.tree_cache
+        hit_rate = sched.num_cached_tokens / max(sched.num_prompt_tokens, 1)
         self.stats = SchedulerStats(
             running, waiting, available, sched.allocator.size, sched.num_retractions, self.num_steps,
             self.step_time_s, self.host_gap_s, self.num_host_gaps,
+            free_kv_tokens=sched.allocator.allocator.available_size(), radix_cache_tokens=cache.total_size(),
+            evictable_kv_tokens=cache.evictable_size, num_prefill_tokens=sched.num_prefill_tokens,
+            num_cached_tokens=sched.num_cached_tokens, cache_hit_rate=hit_rate,
         )
         if self.metrics is not None:
             self.metrics.on_step(running, waiting, sched.allocator.size - available, sched.allocator.size)
+            self.metrics.on_cache(cache.evictable_size, hit_rate)

@@ -1,6 +1,7 @@
 """AsyncTokenizerManager: the HTTP side of a request. Tokenises and validates it on a worker thread (off
 the event loop), admits it within the queue bound, hands it to the scheduler thread, and yields its
-outputs; a request whose client went away is aborted at once."""
+outputs; a request whose client went away, or that is past its deadline (--request-timeout-s), is aborted
+at once (its KV freed)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ T = TypeVar("T")
 
 class AsyncTokenizerManager:
     def __init__(self, tokenizer_manager: TokenizerManager, scheduler_thread: SchedulerThread,
-                 max_in_flight: int | None = None):
+                 max_in_flight: int | None = None, request_timeout_s: float | None = None):
         self.tm = tokenizer_manager
         self.scheduler_thread = scheduler_thread
         self.max_in_flight = max_in_flight  # running + queued requests; more get a 503
+        self.request_timeout_s = request_timeout_s  # from the request's arrival (Req creation); None: no deadline
         self.num_in_flight = 0
         self.draining = False  # shutting down: no new requests
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")  # one thread: HF tokenizers
@@ -60,6 +62,10 @@ class AsyncTokenizerManager:
         """A validated Req; ValueError (a 400) names what is wrong, e.g. a request beyond the context."""
         return self.tm.make_req(prompt, input_ids, sampling_params, rid)
 
+    @property
+    def timeout_message(self) -> str:
+        return f"the request timed out after {self.request_timeout_s:g}s (--request-timeout-s; time queued counts)"
+
     def admit(self, n: int = 1) -> None:
         if self.draining:
             raise RequestError(503, "the server is shutting down", {"Retry-After": str(RETRY_AFTER_S)})
@@ -72,19 +78,25 @@ class AsyncTokenizerManager:
 
     async def generate(self, req: Req, request: Request | None = None) -> AsyncGenerator[ReqOutput, None]:
         """Outputs of `req` until it finishes. A refused request raises ValueError before any output; one
-        ended by the server (shutdown, a failure in its batch) raises RequestError."""
+        ended by the server (shutdown, a failure in its batch, its deadline) raises RequestError."""
         self.admit()
         out: asyncio.Queue[ReqOutput] = asyncio.Queue()
         self.scheduler_thread.add(req, asyncio.get_running_loop(), out)
         self.num_in_flight += 1
         done = False
+        why = "client disconnected"
+        deadline = None if self.request_timeout_s is None else req.created_time + self.request_timeout_s
         next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while not done:
+                left = DISCONNECT_POLL_S if deadline is None else deadline - time.perf_counter()
                 try:
-                    item = await asyncio.wait_for(out.get(), DISCONNECT_POLL_S)
+                    item = await asyncio.wait_for(out.get(), max(0.0, min(left, DISCONNECT_POLL_S)))
                 except asyncio.TimeoutError:
                     item = None
+                if deadline is not None and time.perf_counter() >= deadline and (item is None or not item.finished):
+                    why = self.timeout_message
+                    raise RequestError(504, why)
                 if request is not None and time.monotonic() >= next_check:
                     next_check = time.monotonic() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
@@ -101,7 +113,7 @@ class AsyncTokenizerManager:
         finally:
             self.num_in_flight -= 1
             if not done:
-                self.scheduler_thread.abort(req.rid, "client disconnected")
+                self.scheduler_thread.abort(req.rid, why)
 
     async def generate_all(self, req: Req, request: Request | None = None) -> tuple[str, list[int], ReqOutput]:
         """Runs `req` to the end: (text, output_ids, last output)."""

@@ -184,12 +184,7 @@ class DFlashSGLangWorker(BaseSpecWorker):
         prefix = batch.seq_lens.to(torch.int64)
         bonus = batch.spec_info.bonus_tokens.to(torch.int64)
         kv_bound = min(max(r.kv.kv_allocated_len for r in batch.reqs), self.req_to_token_pool.req_to_token.shape[1])
-        for r in batch.reqs:
-            if getattr(r, "spec_state", None) is None:
-                r.spec_state = self.policy.new_state()
-        states = [r.spec_state for r in batch.reqs]
-        histories = [(r.origin_input_ids, r.output_ids) for r in batch.reqs] if self.host_current else None
-        plans = self.step.plan(states, histories, [block] * len(batch.reqs))
+        states, plans = self.step.plan(batch.reqs, self.host_current, [block] * len(batch.reqs))
         self.verifying = (batch, grammar_barrier)
         out = self.step.decode(self, self.req_to_token_pool.req_to_token, rpi, prefix, bonus, states, plans, kv_bound)
         logits_output, can_run_cuda_graph = self.verify_output
@@ -229,7 +224,7 @@ class DFlashSGLangWorker(BaseSpecWorker):
         logits = logits_output.next_token_logits  # [bs * W, V]
         self.adjust_logits(batch, logits, block.req_pool_indices, block.candidates, block.seq_lens, grammar_barrier)
         self.verify_output = (logits_output, out.can_run_cuda_graph)
-        return logits.view(bs, width, -1), features
+        return block.verified(logits.view(bs, width, -1)), block.verified(features.view(bs, width, -1))
 
     def sampling(self, block: DraftBlock) -> tuple[SamplingBatchInfo | None, torch.Tensor | None]:
         info = self.verifying[0].sampling_info
