@@ -1,8 +1,8 @@
 """Closed-loop load test over real HTTP: output tokens/s, TTFT/TPOT p50/p99, accept length, errors.
 
-Starts every server configuration itself (all at once; each concurrency level runs on every server before
-the next level), drives C concurrent streaming chat clients (each sends its next request when the previous one
-ends) on HumanEval and MT-Bench prompts, and writes JSON, a table and a PNG
+Starts every server configuration itself (all at once; each concurrency level runs on every server, in
+alternating turns, before the next level), drives C concurrent streaming chat clients (each sends its next
+request when the previous one ends) on HumanEval and MT-Bench prompts, and writes JSON, a table and a PNG
 of throughput vs concurrency.
 
 --server ours (default): our server in its speculation modes side by side: AR, DFLASH with fixed blocks
@@ -270,13 +270,21 @@ def run_configs(configs: list[Config], prompts: list[str], args: argparse.Namesp
             asyncio.run(closed_loop(url, prompts[:1], 1, args))  # warm-up, not measured
             urls[cfg.name] = url
         for c in args.concurrency:
-            n = max(args.num_prompts, c)
+            n = max(args.num_prompts, args.requests_per_client * c)
             batch = [prompts[i % len(prompts)] for i in range(n)]
+            before = {cfg.name: scrape(urls[cfg.name]) for cfg in configs}
+            records: dict[str, list[Record]] = {cfg.name: [] for cfg in configs}
+            wall = dict.fromkeys(records, 0.0)
+            rounds = max(1, min(args.rounds, n // c))
+            for k in range(rounds):  # the configurations take turns, in alternating order (ABBA...)
+                part = batch[k * n // rounds : (k + 1) * n // rounds]
+                for cfg in configs if k % 2 == 0 else configs[::-1]:
+                    recs, seconds = asyncio.run(closed_loop(urls[cfg.name], part, c, args))
+                    records[cfg.name] += recs
+                    wall[cfg.name] += seconds
             for cfg in configs:
-                url = urls[cfg.name]
-                before = scrape(url)
-                records, wall = asyncio.run(closed_loop(url, batch, c, args))
-                r = results[cfg.name][c] = level_stats(records, wall, before, scrape(url))
+                r = results[cfg.name][c] = level_stats(records[cfg.name], wall[cfg.name], before[cfg.name],
+                                                       scrape(urls[cfg.name]))
                 print(f"  {cfg.name:16s} c={c:<3} {r['output_tok_s']:8.1f} tok/s  ttft p50 {fmt(r['ttft_p50_ms'])} "
                       f"p99 {fmt(r['ttft_p99_ms'])} ms  tpot p50 {fmt(r['tpot_p50_ms'])} p99 {fmt(r['tpot_p99_ms'])} "
                       f"ms  accept {fmt(r['accept_length'], 2)}  step {fmt(r['step_ms'])} ms  host gap "
@@ -337,7 +345,14 @@ def main() -> None:
     ap.add_argument("--configs", default=None, help="comma-separated subset of the --server set: "
                     + "; ".join(f"{k}: {', '.join(c.name for c in v)}" for k, v in CONFIGS.items()))
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
-    ap.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level (at least C)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests per concurrency level (at least "
+                    "--requests-per-client x C)")
+    ap.add_argument("--requests-per-client", type=int, default=4,
+                    help="at least this many requests per client and level, so a level measures the steady state, "
+                    "not one batch draining")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="each level runs in this many parts, the configurations taking turns (a drifting machine "
+                    "then slows every configuration alike)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")

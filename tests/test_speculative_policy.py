@@ -44,14 +44,15 @@ def test_ngram_index_restarts_after_retraction():
 
 def test_cost_model_is_monotone_and_interpolates():
     cost = CostModel({1: 0.05, 2: 0.04, 4: 0.06, 8: 0.10}, {16: 0.01, 32: 0.03})
-    times = [cost.step_time(n, 0) for n in range(1, 20)]
+    times = [cost.step_time(n, 0, 1) for n in range(1, 20)]
     assert times == sorted(times) and times[0] == pytest.approx(0.04)  # the 2-token forward bounds the 1-token one
-    assert cost.step_time(6, 0) == pytest.approx(0.08)  # halfway between 4 and 8
-    assert cost.step_time(16, 16) == pytest.approx(cost.step_time(16, 0) + 0.01)
+    assert cost.step_time(6, 0, 1) == pytest.approx(0.08)  # halfway between 4 and 8
+    assert cost.step_time(16, 16, 1) == pytest.approx(cost.step_time(16, 0, 1) + 0.01)
     flat = CostModel({1: 0.05, 16: 0.05, 64: 0.1}, {16: 0.01})  # CPU-like: flat up to 16 verify tokens
-    for tokens in (4, 8, 16, 12) * 10:  # measured: twice the calibration plus 5 ms per verify token
-        flat.observe(tokens, 0, 2 * flat.calibrated(tokens, 0) + 0.005 * tokens)
-    assert flat.step_time(4, 0) < flat.step_time(16, 0)
+    for requests, tokens in ((4, 4), (4, 8), (8, 16), (4, 12)) * 10:
+        # measured: twice the calibration plus 5 ms per speculative verify token
+        flat.observe(tokens, 0, requests, 2 * flat.calibrated(tokens, 0) + 0.005 * (tokens - requests))
+    assert flat.step_time(4, 0, 4) < flat.step_time(16, 0, 4)
     cost = flat
     assert 1.7 < cost.coef[0] < 2.3 and 0.003 < cost.coef[2] < 0.007  # the prior a = 1, b = 0 fades
 
@@ -67,6 +68,10 @@ def test_cost_model_cache(tmp_path, monkeypatch):
     a = load_or_calibrate({"device": "cpu"}, run)
     b = load_or_calibrate({"device": "cpu"}, run)
     assert len(calls) == 1 and a.to_dict() == b.to_dict()
+    load_or_calibrate({"device": "cpu"}, run, check=lambda: {1: 1.1, 2: 1.8})  # the probe agrees: kept
+    assert len(calls) == 1
+    load_or_calibrate({"device": "cpu"}, run, check=lambda: {1: 2.5, 2: 4.0})  # a slower machine: redone
+    assert len(calls) == 2
 
 
 def flat_cost() -> CostModel:
@@ -118,3 +123,23 @@ def test_exploration_is_shared_by_the_batch():
         policy.observe(states, plans, [0] * 32)
     assert draft_steps <= 256 // EXPLORE_JOIN + 2
     assert min(explored) >= 256 // EXPLORE_EVERY  # every request still re-tries DFlash at least that often
+
+
+def test_lookup_estimates_follow_the_match_length():
+    """2-gram matches that never continue and 4-gram matches that always do: after a few steps the request
+    still verifies 4-gram continuations but no longer 2-gram ones (it drafts or decodes plainly there)."""
+    policy = SpecPolicy(SpecOptions(16, lookup_min_n=2, lookup_max_n=4), flat_cost())
+    state = policy.new_state()
+    two = ([5, 6, 7, 1, 2, 9, 9, 9], [1, 2])  # suffix (1, 2) seen before: a 2-gram match
+    four = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], [4])  # suffix (1, 2, 3, 4): a 4-gram match
+    for _ in range(15):
+        for history, accepted in ((two, 0), (four, None)):
+            state.index.__init__(2, 4)  # each history on its own
+            plan = policy.plan([state], [history], [16])[0]
+            if plan.source == LOOKUP:
+                policy.observe([state], [plan], [plan.block_len - 1 if accepted is None else accepted])
+    state.index.__init__(2, 4)
+    assert policy.plan([state], [four], [16])[0].source == LOOKUP
+    state.index.__init__(2, 4)
+    assert policy.plan([state], [two], [16])[0].source != LOOKUP
+    assert state.accept["lookup2"][0] < 0.3 and state.accept["lookup4"][0] > 0.9

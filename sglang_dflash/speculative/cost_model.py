@@ -2,9 +2,12 @@
 
 Piecewise-linear in each, from timed forwards of the real target and drafter on the actual device at
 start-up (`calibrate`: one request, short context), then corrected online from measured steps by least
-squares that forget old steps: seconds ~ a * verify(T) + c * draft(D) + b * T. `a` absorbs what a real batch
-adds to every step (attention over long contexts, host work), `c` the draft forward's share, `b` what each
-verify token costs beyond the calibration.
+squares that forget old steps: seconds ~ a * verify(T) + c * draft(D) + b * (T - R), R the requests. `a`
+absorbs what a real batch adds to every step (attention over long contexts, host work), `c` the draft
+forward's share, `b` what each speculative verify token (beyond a request's one) costs beyond the
+calibration: in a real batch such a token also attends over its request's whole context, in a group of
+multi-token rows, which a one-request calibration does not see (measured at 32 requests on a CPU: ~2.4 ms
+per speculative token against ~0.5 ms calibrated).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import numpy as np
 CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FORGET = 0.99  # weight of the past in the online fit, per observed step
 PRIOR_WEIGHT = 0.2  # the prior a = 1, b = 0 counts as this many steps
-TYPICAL_TOKENS = 32  # verify tokens of the prior's steps
+TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
+PROBE_TOKENS = (1, 16)  # verify sizes timed at start-up to check a cached calibration ...
+STALE = 1.3  # ... which is redone when off by more than this factor
 
 
 class CostModel:
@@ -30,40 +35,45 @@ class CostModel:
         self.draft_points = _monotone(draft)
         self.coef = np.array([1.0, 1.0, 0.0])  # a, c, b
         # the prior (a = c = 1, b = 0) weighs as PRIOR_WEIGHT steps of typical features, and never fades
-        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], float(TYPICAL_TOKENS)])
+        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], float(TYPICAL_SPEC_TOKENS)])
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
         self.prior_xy = self.prior_xx @ self.coef
         self.xx = np.zeros((3, 3))
         self.xy = np.zeros(3)
 
-    def features(self, verify_tokens, draft_tokens) -> np.ndarray:
-        """[..., 3]: calibrated verify time, calibrated draft time (0 without a draft forward), verify tokens."""
+    def features(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
+        """[..., 3]: calibrated verify time, calibrated draft time (0 without a draft forward), speculative
+        verify tokens (verify tokens beyond one per request)."""
         verify_tokens, draft_tokens = np.asarray(verify_tokens, np.float64), np.asarray(draft_tokens, np.float64)
         verify = _interp(self.verify_points, verify_tokens)
         draft = np.where(draft_tokens > 0, _interp(self.draft_points, draft_tokens), 0.0)
-        return np.stack([verify, draft, verify_tokens], axis=-1)
+        return np.stack([verify, draft, verify_tokens - np.asarray(requests, np.float64)], axis=-1)
 
     def calibrated(self, verify_tokens: int, draft_tokens: int) -> float:
-        return float(self.features(verify_tokens, draft_tokens)[:2].sum())
+        return float(self.features(verify_tokens, draft_tokens, verify_tokens)[:2].sum())
 
-    def step_time(self, verify_tokens: int, draft_tokens: int) -> float:
-        """Predicted seconds of a step verifying `verify_tokens` (all requests) with a draft forward over
-        `draft_tokens` (0: no draft forward)."""
-        return float(self.step_times(verify_tokens, draft_tokens))
+    def step_time(self, verify_tokens: int, draft_tokens: int, requests: int) -> float:
+        """Predicted seconds of a step of `requests` requests verifying `verify_tokens` in all with a draft
+        forward over `draft_tokens` (0: no draft forward)."""
+        return float(self.step_times(verify_tokens, draft_tokens, requests))
 
-    def step_times(self, verify_tokens, draft_tokens) -> np.ndarray:
+    def step_times(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
         """step_time of many candidate steps at once (arrays of token counts)."""
-        return self.features(verify_tokens, draft_tokens) @ self.coef
+        return self.features(verify_tokens, draft_tokens, requests) @ self.coef
 
-    def observe(self, verify_tokens: int, draft_tokens: int, seconds: float) -> None:
+    def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
         """One measured step: refit (a, c, b), kept a, c >= 0.2 and b >= 0 (more tokens never cost less)."""
         if seconds <= 0:
             return
-        x = self.features(verify_tokens, draft_tokens)
+        x = self.features(verify_tokens, draft_tokens, requests)
         self.xx = FORGET * self.xx + np.outer(x, x)
         self.xy = FORGET * self.xy + x * seconds
         coef = np.linalg.solve(self.xx + self.prior_xx, self.xy + self.prior_xy)
         self.coef = np.maximum(coef, [0.2, 0.2, 0.0])
+
+    def agrees(self, verify_times: dict[int, float]) -> bool:
+        """Whether measured verify times (tokens -> seconds) match this calibration within a factor STALE."""
+        return all(1 / STALE <= self.calibrated(n, 0) / t <= STALE for n, t in verify_times.items())
 
     def to_dict(self) -> dict:
         return {"verify": dict(self.verify_points), "draft": dict(self.draft_points), "coef": self.coef.tolist()}
@@ -99,11 +109,24 @@ def calibrate(
     draft_block: int, rounds: int = 5,
 ) -> CostModel:
     """Times verify(n) (a target forward over n new tokens) and draft(n) (a draft forward over n tokens,
-    n a multiple of draft_block) for n up to max_tokens: every size once per round, after one warm-up round,
-    so a burst of other load spreads over the sizes; each size keeps its fastest time."""
+    n a multiple of draft_block) for n up to max_tokens."""
     sizes = [n for n in CALIBRATION_TOKENS if n <= max_tokens] or [1]
     draft_sizes = sorted({max(draft_block, n // draft_block * draft_block) for n in sizes})
     calls = [(verify, n, "verify") for n in sizes] + [(draft, n, "draft") for n in draft_sizes]
+    best = time_calls(calls, sync, rounds)
+    return CostModel({n: best["verify", n] for n in sizes}, {n: best["draft", n] for n in draft_sizes})
+
+
+def probe(verify: Callable[[int], object], sync: Callable[[], None], max_tokens: int) -> dict[int, float]:
+    """A quick check of a cached calibration: the verify times of a few sizes (fastest of 2 rounds)."""
+    calls = [(verify, n, "verify") for n in PROBE_TOKENS if n <= max_tokens] or [(verify, 1, "verify")]
+    return {n: t for (_, n), t in time_calls(calls, sync, rounds=2).items()}
+
+
+def time_calls(calls: list[tuple[Callable[[int], object], int, str]], sync: Callable[[], None],
+               rounds: int) -> dict[tuple[str, int], float]:
+    """Every call once per round, after one warm-up round, so a burst of other load spreads over the sizes;
+    each (kind, n) keeps its fastest time."""
     best = {(kind, n): float("inf") for _, n, kind in calls}
     for r in range(rounds + 1):
         for fn, n, kind in calls:
@@ -113,22 +136,27 @@ def calibrate(
             sync()
             if r > 0:  # round 0 warms up
                 best[kind, n] = min(best[kind, n], time.perf_counter() - start)
-    return CostModel({n: best["verify", n] for n in sizes}, {n: best["draft", n] for n in draft_sizes})
+    return best
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SGLANG_DFLASH_CACHE", Path.home() / ".cache" / "sglang_dflash")) / "cost_models"
 
 
-def load_or_calibrate(key: dict, run: Callable[[], CostModel]) -> CostModel:
-    """The cost model calibrated earlier for this key (device, model, drafter, dtype, threads), else run()."""
+def load_or_calibrate(key: dict, run: Callable[[], CostModel],
+                      check: Callable[[], dict[int, float]] | None = None) -> CostModel:
+    """The cost model calibrated earlier for this key (device, model, drafter, dtype, threads), else run().
+    With `check` (a quick probe of verify times), a cached model is kept only while the probe agrees with it
+    within a factor STALE: machines that share a key (virtual machines on other hosts) are not as fast."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / f"{digest}.json"
     if path.is_file():
         try:
-            return CostModel.from_dict(json.loads(path.read_text()))
+            cached = CostModel.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError):
-            pass  # a corrupt cache entry is recalibrated
+            cached = None  # a corrupt cache entry is recalibrated
+        if cached is not None and (check is None or cached.agrees(check())):
+            return cached
     model = run()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -20,7 +22,7 @@ from sglang_dflash.sampling.sampler import SamplingBatchInfo, apply_penalties, d
 from sglang_dflash.scheduler.schedule_batch import GenerationBatchResult, Req, ScheduleBatch
 from sglang_dflash.server_args import ServerArgs
 from sglang_dflash.speculative.accept import block_history
-from sglang_dflash.speculative.cost_model import CostModel, calibrate, load_or_calibrate
+from sglang_dflash.speculative.cost_model import CostModel, calibrate, load_or_calibrate, probe
 from sglang_dflash.speculative.dflash_step import DFlashStep
 from sglang_dflash.speculative.draft_block import DraftBlock
 from sglang_dflash.speculative.drafter import load_drafter
@@ -103,7 +105,8 @@ class DFlashWorker:
         cost = self.step.policy.cost
         if cost is not None and self.device.type == "cpu":  # a synchronous device: the wall time is the step's
             widths = [p.block_len for p in plans if p.source == DFLASH]
-            cost.observe(sum(out.block_lens), len(widths) * max(widths, default=0), time.perf_counter() - start)
+            cost.observe(sum(out.block_lens), len(widths) * max(widths, default=0), len(plans),
+                         time.perf_counter() - start)
         return GenerationBatchResult(out.out_tokens, out.accept_lens, out.block_lens, plans)
 
     def plan(self, batch: ScheduleBatch) -> tuple[list[ReqSpecState], list[Plan]]:
@@ -123,10 +126,21 @@ class DFlashWorker:
                "block": self.block_size, "cpu": platform.processor() or platform.machine()}
         max_tokens = min(256, server_args.max_running_requests * self.block_size, runner.max_total_tokens,
                          self.req_to_token.shape[1])  # one request row holds the calibration's tokens
-        return load_or_calibrate(key, lambda: self.calibrate(max_tokens))
 
-    def calibrate(self, max_tokens: int) -> CostModel:
-        """Times a verify-like target forward (+ materialisation) and a draft forward of n tokens."""
+        def full() -> CostModel:
+            with self.timed_forwards(max_tokens) as (verify, draft, sync):
+                return calibrate(verify, draft, sync, max_tokens, self.block_size)
+
+        def check() -> dict[int, float]:
+            with self.timed_forwards(max_tokens) as (verify, _, sync):
+                return probe(verify, sync, max_tokens)
+
+        return load_or_calibrate(key, full, check)
+
+    @contextmanager
+    def timed_forwards(self, max_tokens: int) -> Iterator[tuple[Callable, Callable, Callable]]:
+        """(verify(n), draft(n), sync) for timing: a verify-like target forward over n tokens of one request (+
+        materialisation), a draft forward over n tokens; on a request row and slots held meanwhile."""
         runner = self.target.model_runner
         row = runner.req_to_token_pool.alloc()
         slots = runner.token_to_kv_pool_allocator.alloc(max_tokens)
@@ -147,7 +161,7 @@ class DFlashWorker:
                                       self.block_size)
 
             with torch.inference_mode():
-                return calibrate(verify, draft, lambda: synchronize(self.device), max_tokens, self.block_size)
+                yield verify, draft, lambda: synchronize(self.device)
         finally:
             runner.token_to_kv_pool_allocator.free(slots)
             runner.req_to_token_pool.free(row)
