@@ -163,6 +163,21 @@ def test_lookup_proposals_sampling_matches_exact(dflash_lookup: Engine, tiny_dir
     assert chi_square_p_value(samples, exact) > P_VALUE_PASS
 
 
+def test_mixed_greedy_and_sampled_batch(dflash: Engine, ar: Engine, tiny_dir: Path):
+    """A batch mixing greedy and sampled requests: the greedy ones give AR's greedy tokens, the sampled ones
+    the exact distribution (the greedy rows are accepted by argmax, apart from the sampled ones)."""
+    params = SETTINGS["T0.7-topp0.9-topk5"]
+    greedy = [i % 4 == 0 for i in range(NUM_SAMPLES)]
+    sp = [dict({"temperature": 0} if g else params, max_new_tokens=3, seed=i, ignore_eos=True)
+          for i, g in enumerate(greedy)]
+    outs = dflash.generate(input_ids=[PROMPT] * NUM_SAMPLES, sampling_params=sp)
+    want = ar.generate(input_ids=[PROMPT], sampling_params={"temperature": 0, "max_new_tokens": 3,
+                                                            "ignore_eos": True})[0]["output_ids"]
+    assert all(o["output_ids"] == want for o, g in zip(outs, greedy) if g)
+    samples = [tuple(o["output_ids"]) for o, g in zip(outs, greedy) if not g]
+    assert chi_square_p_value(samples, exact_distribution(tiny_dir / "target", params)) > P_VALUE_PASS
+
+
 def accept_everything(real):
     """Wrong rule: every draft the target gives nonzero probability is accepted (uniforms forced to 0)."""
 

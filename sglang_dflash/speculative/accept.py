@@ -19,10 +19,13 @@ from sglang_dflash.speculative.draft_block import DraftBlock
 
 def target_probs(logits: torch.Tensor, row_info: SamplingBatchInfo) -> torch.Tensor:
     """Verify logits [T, V] -> the target distribution of every row (row_info: one entry per row), as the plain
-    sampler defines it (temperature, top-k, top-p, min-p); greedy rows get one-hot argmax rows."""
-    probs = logits_to_probs(logits, row_info)
-    one_hot = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
-    return torch.where(row_info.greedy[:, None], one_hot, probs)
+    sampler defines it (temperature, top-k, top-p, min-p); greedy rows get one-hot argmax rows. Only sampled
+    rows build a distribution (a greedy row's default top-p of 1 would send it to the full-vocabulary sort)."""
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+    rows = (~row_info.greedy).nonzero().squeeze(1)
+    probs[rows] = logits_to_probs(logits[rows], row_info.select(rows))
+    return probs
 
 
 def accept(
@@ -34,11 +37,32 @@ def accept(
     rejection sampler. Only greedy argmaxes, or sampled rows' probabilities, are padded to the block.
     `draft`: the sparse distributions (candidate ids, q) [bs, B, K] the drafts were sampled from; None: every
     draft is a point mass."""
-    width = block.width
     if info is None or info.all_greedy:
         return greedy_accept(block.candidates, block.padded(logits.argmax(-1)), block.block_lens)
+    greedy = info.greedy.tolist()
+    if not any(greedy):
+        return _sampled_accept(block, logits, info, uniforms[:, : block.width], uniforms[:, block.width], draft)
+    # a mixed batch: every request by argmax first, then the sampled ones (only they build distributions)
+    accept_lens, next_bonus, out_tokens = greedy_accept(block.candidates, block.padded(logits.argmax(-1)),
+                                                        block.block_lens)
+    reqs = [i for i, g in enumerate(greedy) if not g]
+    sub = block.select(reqs)
+    idx = torch.tensor(reqs, dtype=torch.int64, device=logits.device)
+    if draft is not None:
+        draft = (draft[0][idx, : sub.width], draft[1][idx, : sub.width])
+    lens, bonus, tokens = _sampled_accept(sub, logits[block.token_rows(reqs)], info.select(idx),
+                                          uniforms[idx, : sub.width], uniforms[idx, block.width], draft)
+    accept_lens[idx], next_bonus[idx] = lens, bonus
+    out_tokens[idx] = F.pad(tokens, (0, block.width - sub.width), value=-1)
+    return accept_lens, next_bonus, out_tokens
+
+
+def _sampled_accept(
+    block: DraftBlock, logits: torch.Tensor, info: SamplingBatchInfo, u: torch.Tensor, bonus_u: torch.Tensor,
+    draft: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rejection sampling of a block of sampled (and possibly greedy) requests."""
     probs = block.padded(target_probs(logits, info.expand(block.block_lens)))
-    u, bonus_u = uniforms[:, :width], uniforms[:, width]
     if draft is None:
         return sampling_accept(probs, block.candidates, block.block_lens, u, bonus_u)
     return sparse_sampling_accept(probs, block.candidates, block.block_lens, *draft, u, bonus_u)

@@ -7,6 +7,7 @@ positions seq_lens[i] .. seq_lens[i] + B - 1; columns past b_i are padding and w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -37,9 +38,23 @@ class DraftBlock:
         slots = req_to_token[req_pool_indices[:, None], positions.clamp(max=req_to_token.shape[1] - 1)].long()
         candidates = torch.zeros(bonus.shape[0], block, dtype=torch.int64, device=bonus.device)
         candidates[:, 0] = bonus
-        rows = torch.tensor([i * block + j for i, n in enumerate(block_lens_cpu) for j in range(n)], dtype=torch.int64)
         return cls(req_pool_indices, seq_lens, block_lens, list(block_lens_cpu), candidates, positions, slots,
-                   torch.where(in_block, slots, 0), rows.to(bonus.device, non_blocking=True))
+                   torch.where(in_block, slots, 0), _flat_rows(block_lens_cpu, block, bonus.device))
+
+    def select(self, reqs: list[int]) -> DraftBlock:
+        """The sub-block of the requests `reqs` (indices into this block's rows), as wide as their longest."""
+        idx = torch.tensor(reqs, dtype=torch.int64, device=self.candidates.device)
+        lens = [self.block_lens_cpu[i] for i in reqs]
+        w = max(lens)
+        return DraftBlock(self.req_pool_indices[idx], self.seq_lens[idx], self.block_lens[idx], lens,
+                          self.candidates[idx, :w], self.positions[idx, :w], self.slots[idx, :w],
+                          self.out_cache_loc[idx, :w], _flat_rows(lens, w, idx.device))
+
+    def token_rows(self, reqs: list[int]) -> torch.Tensor:
+        """The indices of the requests' verified tokens among this block's T verified tokens."""
+        starts = list(accumulate(self.block_lens_cpu, initial=0))
+        rows = [starts[i] + j for i in reqs for j in range(self.block_lens_cpu[i])]
+        return torch.tensor(rows, dtype=torch.int64).to(self.candidates.device, non_blocking=True)
 
     @property
     def batch_size(self) -> int:
@@ -69,3 +84,9 @@ class DraftBlock:
         """[bs, B] bool: the bonus and the accepted drafts of each row."""
         cols = torch.arange(self.width, device=accept_lens.device)
         return cols[None, :] <= accept_lens[:, None]
+
+
+def _flat_rows(block_lens: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """Indices of the blocks' tokens in the flat [len(block_lens) * width] layout, request by request."""
+    rows = torch.tensor([i * width + j for i, n in enumerate(block_lens) for j in range(n)], dtype=torch.int64)
+    return rows.to(device, non_blocking=True)
