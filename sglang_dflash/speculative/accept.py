@@ -17,24 +17,13 @@ from sglang_dflash.sampling.sampler import SamplingBatchInfo, logits_to_probs
 from sglang_dflash.speculative.draft_block import DraftBlock
 
 
-def target_probs(logits: torch.Tensor, row_info: SamplingBatchInfo) -> torch.Tensor:
-    """Verify logits [T, V] -> the target distribution of every row (row_info: one entry per row), as the plain
-    sampler defines it (temperature, top-k, top-p, min-p); greedy rows get one-hot argmax rows. Only sampled
-    rows build a distribution (a greedy row's default top-p of 1 would send it to the full-vocabulary sort)."""
-    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    probs.scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-    rows = (~row_info.greedy).nonzero().squeeze(1)
-    probs[rows] = logits_to_probs(logits[rows], row_info.select(rows))
-    return probs
-
-
 def accept(
     block: DraftBlock, logits: torch.Tensor, info: SamplingBatchInfo | None, uniforms: torch.Tensor | None,
     draft: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(accepted drafts [bs], next bonus [bs], committed tokens [bs, B] -1 padded) for the logits [T, V] of the
     block's verified tokens. `info` None means every request is greedy; else `uniforms` [bs, B + 1] drive the
-    rejection sampler. Only greedy argmaxes, or sampled rows' probabilities, are padded to the block.
+    rejection sampler. Only greedy argmaxes, or sampled requests' probabilities, are padded to the block.
     `draft`: the sparse distributions (candidate ids, q) [bs, B, K] the drafts were sampled from; None: every
     draft is a point mass."""
     if info is None or info.all_greedy:
@@ -61,8 +50,9 @@ def _sampled_accept(
     block: DraftBlock, logits: torch.Tensor, info: SamplingBatchInfo, u: torch.Tensor, bonus_u: torch.Tensor,
     draft: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rejection sampling of a block of sampled (and possibly greedy) requests."""
-    probs = block.padded(target_probs(logits, info.expand(block.block_lens)))
+    """Rejection sampling of a block whose requests all sample: the target distribution of every verified row
+    as the plain sampler defines it (temperature, top-k, top-p, min-p), padded to the block."""
+    probs = block.padded(logits_to_probs(logits, info.expand(block.block_lens)))
     if draft is None:
         return sampling_accept(probs, block.candidates, block.block_lens, u, bonus_u)
     return sparse_sampling_accept(probs, block.candidates, block.block_lens, *draft, u, bonus_u)
