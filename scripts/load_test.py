@@ -341,7 +341,8 @@ def plot(results: dict[str, dict[int, dict]], concurrency: list[int], path: Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--server", choices=sorted(CONFIGS), default="ours", help="ours, or sglang (the side by side)")
-    ap.add_argument("--draft", help="DFlash drafter checkpoint (default: the shipped drafter)")
+    ap.add_argument("--draft", help="DFlash drafter checkpoint, or 'random' (a random 2-layer drafter built here, as "
+                    "bench_speculative.py's: pure overhead) (default: the shipped drafter)")
     ap.add_argument("--configs", default=None, help="comma-separated subset of the --server set: "
                     + "; ".join(f"{k}: {', '.join(c.name for c in v)}" for k, v in CONFIGS.items()))
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated client counts")
@@ -378,6 +379,10 @@ def main() -> None:
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.draft == "random":
+        from dflash_helpers import default_target_config, save_random_drafter
+
+        args.draft = str(save_random_drafter(args.out / "random_drafter", default_target_config()))
     prompts = load_prompts(args.dataset)
     results = run_configs([c for c in configs if c.name in names], prompts, args, args.out)
     summary = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

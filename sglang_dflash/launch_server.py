@@ -60,7 +60,10 @@ def make_parser() -> ArgumentParser:
     add("--enable-cache-report", "report the prompt tokens served by the prefix cache in OpenAI responses "
         "(usage.prompt_tokens_details.cached_tokens)", action="store_const", const=True)
     add("--max-running-requests", "requests decoded together at most", type=int)
-    add("--max-total-tokens", "KV cache slots", type=int)
+    add("--max-total-tokens", "KV cache slots (default: 32768 on cpu, else sized by --mem-fraction-static)",
+        type=int)
+    add("--mem-fraction-static", "share of device memory for weights and KV pools (default 0.85 on cuda/xpu; "
+        "on cpu only when given, of host memory)", type=float)
     add("--chunked-prefill-size", "prompt tokens prefilled per step at most", type=int)
     add("--context-length", "context length (default: the model's)", type=int)
     add("--device", "device", choices=["cpu", "cuda", "xpu"])

@@ -20,7 +20,8 @@ class ServerArgs:
     device: str = "cpu"
     dtype: str = "auto"
     context_length: int | None = None
-    max_total_tokens: int = 32768
+    max_total_tokens: int | None = None  # KV cache slots; None: CPU_KV_TOKENS on cpu, else mem_fraction_static
+    mem_fraction_static: float | None = None  # share of device memory for weights + KV pools (cuda/xpu: 0.85)
     max_running_requests: int = 32
     chunked_prefill_size: int = 1024
     speculative_algorithm: str | None = None
@@ -66,8 +67,10 @@ class ServerArgs:
             raise ValueError(f"device must be cpu, cuda or xpu, got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be in [1, 65535], got {self.port}")

@@ -84,9 +84,10 @@ def registration_report(model: str, drafter: str) -> dict:
     entry_points = {e.name: e.value for e in importlib.metadata.entry_points(group="sglang.srt.plugins")}
     load_plugins()
 
-    def resolve():
+    def resolve(device: str = "cpu"):
+        extra = CPU_ARGS if device == "cpu" else ["--device", device]
         args = prepare_server_args(["--model-path", model, "--speculative-algorithm", "DFLASH",
-                                    "--speculative-draft-model-path", drafter, *CPU_ARGS])
+                                    "--speculative-draft-model-path", drafter, *extra])
         args.resolve_once()
         return resolving_view(args)
 
@@ -97,6 +98,8 @@ def registration_report(model: str, drafter: str) -> dict:
         "algorithm": cfg.speculative_algorithm, "num_draft_tokens": cfg.speculative_num_draft_tokens,
         "worker": f"{worker.__module__}.{worker.__qualname__}",
     }
+    os.environ["SGLANG_DFLASH_IMPL"] = "sglang_dflash"  # ours on a GPU: resolution only (no GPU needed)
+    report["cuda_graph_disabled_on_cuda"] = resolve("cuda").disable_cuda_graph
     os.environ["SGLANG_DFLASH_IMPL"] = "sglang"
     try:
         report["builtin"] = resolve().speculative_algorithm

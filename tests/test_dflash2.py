@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,14 @@ import torch
 from dflash_helpers import ar_engine, ar_reference, chat_ids, default_target_config, tiny_target_config
 from safetensors.torch import load_file
 from test_lossless_sampling import (
-    BLOCK,
     LOOKUP_PROMPT,
     NUM_SAMPLES,
     PROMPT,
     SETTINGS,
-    VOCAB,
     chi_square_p_value,
     engine_kwargs,
     exact_distribution,
-    likely_mask_token,
+    save_tiny_setup,
 )
 from torch import nn
 
@@ -38,7 +35,7 @@ from sglang_dflash.models.dflash import DFlashDraftModel
 from sglang_dflash.models.dflash2 import (
     DFlash2Config,
     DFlash2DraftModel,
-    identity_convs_,
+    dflash1_equivalent_,
     load_dflash2_model,
     random_dflash2_model,
 )
@@ -54,8 +51,7 @@ TEMPERATURE = 0.7  # the fixture's sampled paths
 
 
 def dflash2_config(base: DFlashConfig, taps: int = 3, group: int = 8, rank: int = 8, top_k: int = 4) -> DFlash2Config:
-    return DFlash2Config(**{f.name: getattr(base, f.name) for f in fields(DFlashConfig)}, conv_kernel_size=taps,
-                         conv_group_size=group, selector_rank=rank, selector_top_k=top_k)
+    return DFlash2Config.extend(base, taps, group, rank, top_k)
 
 
 # ---------------------------------------------------------------- the reference checkpoint
@@ -164,13 +160,11 @@ def test_load_drafter_reads_the_architecture():
         DFlash2Config.from_dict(raw)
 
 
-def test_identity_convs_and_silent_selector_reproduce_dflash1(ref):
+def test_silent_additions_reproduce_dflash1(ref):
     """A DFlash 2 draft whose convolutions are the identity and whose selector has no pair term proposes
     exactly what the DFlash 1 draft with the same shared weights proposes."""
     dflash2 = load_dflash2_model(FIXTURE, CPU, torch.float32)
-    identity_convs_(dflash2)
-    with torch.no_grad():
-        dflash2.candidate_selector.hidden_projection.weight.zero_()
+    dflash1_equivalent_(dflash2)
     for layer in dflash2.layers:
         layer.self_attn.causal, layer.self_attn.sliding_window = False, None
     cfg = dflash2.config
@@ -320,15 +314,8 @@ def test_engine_greedy_dflash2_matches_ar(smollm_dflash2: Engine):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dflash_helpers import save_tiny_target
-
-    root = tmp_path_factory.mktemp("tiny2")
-    cfg = tiny_target_config(VOCAB)
-    save_tiny_target(root / "target", cfg, seed=0, std=0.25)
-    mask = likely_mask_token(root / "target", exact_distribution(root / "target", SETTINGS["T1"]))
-    base = DFlashConfig.for_target(cfg, 1, BLOCK, mask_token_id=mask)
-    random_dflash2_model(dflash2_config(base, rank=4, top_k=4), seed=0, std=0.3).save_pretrained(root / "draft")
-    return root
+    return save_tiny_setup(tmp_path_factory.mktemp("tiny2"),
+                           lambda base: random_dflash2_model(dflash2_config(base, rank=4, top_k=4), seed=0, std=0.3))
 
 
 @pytest.fixture(scope="module")

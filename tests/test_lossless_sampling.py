@@ -5,6 +5,7 @@ passes the same chi-square test, and deliberately wrong accept rules fail it."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 
 import sglang_dflash.speculative.accept as accept_module
 from sglang_dflash import Engine
-from sglang_dflash.models.dflash import random_draft_model
+from sglang_dflash.models.dflash import DFlashDraftModel, random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.sampling.sampler import SamplingBatchInfo, logits_to_probs, sample_from_probs
 from sglang_dflash.sampling.sampling_params import SamplingParams
@@ -64,15 +65,19 @@ def likely_mask_token(target_dir: Path, exact: torch.Tensor) -> int:
     return int(exact.sum(dim=(0, 2))[proposal].argmax())
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tiny")
+def save_tiny_setup(root: Path, make_draft: Callable[[DFlashConfig], DFlashDraftModel]) -> Path:
+    """root/target: the tiny target; root/draft: the random drafter `make_draft` builds from its 1-layer draft
+    config (whose mask token is `likely_mask_token`)."""
     cfg = tiny_target_config(VOCAB)
     save_tiny_target(root / "target", cfg, seed=0, std=0.25)
     mask = likely_mask_token(root / "target", exact_distribution(root / "target", SETTINGS["T1"]))
-    draft = random_draft_model(DFlashConfig.for_target(cfg, 1, BLOCK, mask_token_id=mask), seed=0, std=0.02)
-    draft.save_pretrained(root / "draft")
+    make_draft(DFlashConfig.for_target(cfg, 1, BLOCK, mask_token_id=mask)).save_pretrained(root / "draft")
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_setup(tmp_path_factory.mktemp("tiny"), lambda cfg: random_draft_model(cfg, seed=0, std=0.02))
 
 
 def engine_kwargs(tiny_dir: Path) -> dict:

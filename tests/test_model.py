@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from sglang_dflash.device import memory_info
 from sglang_dflash.models.packed_linear import PackedLinear, can_pack
 from sglang_dflash.runtime import attention
 from sglang_dflash.runtime.forward_batch import ForwardMode
-from sglang_dflash.runtime.model_runner import ModelRunner
+from sglang_dflash.runtime.model_runner import ModelRunner, kv_pool_tokens
 
 CAPTURE = (0, 13, 27)  # not the last layer: HF's last hidden state is after the final norm
 PROMPT = (
@@ -105,3 +106,29 @@ def test_packed_linear_matches_linear():
     assert torch.allclose(x.grad.float(), lin.weight.float().sum(0).expand(2, -1), rtol=1e-2, atol=1e-2)
     with pytest.raises(RuntimeError, match="inference-only"):
         PackedLinear(lin)(x)
+
+
+def test_weights_load_in_the_target_dtype(runner):
+    """Allocated in bf16 from the start (no float32 copy on the device), equal to the float32 weights rounded."""
+    bf16 = ModelRunner(None, torch.device("cpu"), torch.bfloat16, 64, 1)
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.3.input_layernorm.weight"):
+        got, want = bf16.model.get_parameter(name), runner.model.get_parameter(name)
+        torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=0, atol=0, msg=name)
+
+
+def test_kv_pool_sized_from_free_memory():
+    gib = 2**30
+    # weights + KV may take 85% of 16 GiB; 10 GiB are free after the weights and 1 GiB more is still to load
+    assert kv_pool_tokens(10 * gib, 16 * gib, 0.85, 1000, reserved=gib) == int((10 - 16 * 0.15 - 1) * gib // 1000)
+    with pytest.raises(ValueError, match="mem_fraction_static 0.5 leaves no memory"):
+        kv_pool_tokens(4 * gib, 16 * gib, 0.5, 1000)
+    # on cpu when mem_fraction_static is given, host memory sizes the pool: 1 GiB for weights + KV here (the
+    # weights, ~0.3 GB in bf16, come out of it: free memory is measured after them)
+    free, total = memory_info("cpu")
+    fraction = 1 - (free - gib) / total
+    runner = ModelRunner(None, torch.device("cpu"), torch.bfloat16, None, 1, mem_fraction_static=fraction)
+    cfg = runner.model_config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert 100 * 2**20 // per_token < runner.max_total_tokens < 2 * gib // per_token  # other processes move "free"
+    assert runner.token_to_kv_pool.k_buffer[0].shape[0] >= runner.max_total_tokens

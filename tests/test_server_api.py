@@ -94,6 +94,10 @@ def test_generate_native_with_spec_metrics(server: ServerProcess) -> None:
     by_ids = server.post("/generate", json={"input_ids": out["output_ids"], "sampling_params": {"max_new_tokens": 2}})
     assert by_ids.status_code == 200 and by_ids.json()["meta_info"]["prompt_tokens"] == 6
 
+    batch = server.post("/generate", json={"text": ["Hi", "Hello there"], "rid": ["first", "second"],
+                                           "sampling_params": {"max_new_tokens": 2}})
+    assert batch.status_code == 200 and [o["meta_info"]["id"] for o in batch.json()] == ["first", "second"]
+
 
 def test_service_endpoints(server: ServerProcess, client: openai.OpenAI) -> None:
     models = client.models.list().data

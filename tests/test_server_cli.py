@@ -44,6 +44,7 @@ def test_bad_port_exits_2_before_loading_the_model() -> None:
         (["--max-request-body-mb", "nan"], "--max-request-body-mb must be in (0, 1024]"),
         (["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be in [0, 3600]"),
         (["--context-length", "0"], "--context-length must be >= 2"),
+        (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1)"),
     ],
 )
 def test_conflicting_flags_exit_2_with_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
@@ -59,7 +60,8 @@ def test_defaults_match_sglang() -> None:
     assert (args.host, args.port) == ("127.0.0.1", 30000)
     assert args.model_path is None and args.speculative_algorithm == "DFLASH"
     assert args.disable_overlap_schedule == (args.device == "cpu") and args.api_key is None  # plain loop on CPU
-    assert (args.max_running_requests, args.max_total_tokens, args.max_queued_requests) == (32, 32768, 256)
+    assert (args.max_running_requests, args.max_queued_requests) == (32, 256)
+    assert args.max_total_tokens is None and args.mem_fraction_static is None  # 32768 on cpu, else 0.85 of memory
     assert (args.max_request_body_mb, args.shutdown_grace_s) == (8, 10)
 
 
@@ -69,11 +71,12 @@ def test_flags_map_to_server_args() -> None:
         "--speculative-dflash-block-size", "8", "--disable-overlap-schedule", "--max-running-requests", "4",
         "--max-total-tokens", "1000", "--chunked-prefill-size", "64", "--context-length", "512", "--device", "cpu",
         "--dtype", "half", "--host", "0.0.0.0", "--port", "8000", "--api-key", "k", "--served-model-name", "x",
-        "--log-level", "DEBUG",
+        "--log-level", "DEBUG", "--mem-fraction-static", "0.7",
     ])
     assert args.speculative_algorithm == "DFLASH" and args.speculative_num_draft_tokens == 8
     assert args.disable_overlap_schedule and args.dtype == "float16" and args.log_level == "debug"
     assert (args.max_running_requests, args.max_total_tokens, args.chunked_prefill_size) == (4, 1000, 64)
+    assert args.mem_fraction_static == 0.7
     assert (args.context_length, args.host, args.port, args.api_key, args.served_model_name) == (
         512, "0.0.0.0", 8000, "k", "x"
     )

@@ -35,6 +35,11 @@ def assert_openai_error(r: httpx.Response, status: int, words: str) -> None:
         ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 2, "top_p": 0}}, "top_p"),
         ("/generate", {"text": "Hi", "sampling_params": {"no_such_param": 1}}, "no_such_param"),
         ("/generate", {"input_ids": [10**9]}, "input_ids"),
+        ("/generate", {"text": []}, "empty"),
+        ("/generate", {"input_ids": []}, "empty"),
+        ("/generate", {"text": ["a", "b"], "rid": "x"}, "list of 2 rids"),
+        ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "list of 2 rids"),
+        ("/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, "distinct"),
         ("/generate", {"text": "Hi", "sampling_params": {"speculative_num_draft_tokens": 64}}, "block size"),
     ],
 )

@@ -125,6 +125,7 @@ def test_plugin_registration(model_dir, drafter_dir):
     }
     assert report["algorithm"] == "SGLANG_DFLASH" and report["num_draft_tokens"] == 16
     assert report["worker"] == WORKER
+    assert report["cuda_graph_disabled_on_cuda"]  # our worker runs eager on GPUs, and says so
     # SGLANG_DFLASH_IMPL=sglang leaves DFLASH to SGLang, whose built-in refuses CPUs
     assert report["builtin"].startswith("refused:") and "not supported" in report["builtin"]
 

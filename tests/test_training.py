@@ -1,6 +1,8 @@
 """DFlash training on a tiny random target: the block mask isolates blocks, the training forward equals the
 inference forward, the split, SDPA and flex attention variants agree, the loss weights, one step lowers the
-loss, a checkpoint resumes to the same state, and the real-worker dev evaluation runs on a trained checkpoint."""
+loss, a checkpoint resumes to the same state, and the real-worker dev evaluation runs on a trained checkpoint;
+DFlash 2 (parametrised where the same holds): the selector's candidates and teacher-forced picks, and the exact
+warm start from a DFlash 1 checkpoint."""
 
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ import torch
 from dflash_helpers import save_tiny_target, tiny_target_config
 
 from sglang_dflash.models.dflash import block_input_ids, random_draft_model
+from sglang_dflash.models.dflash2 import DFlash2Config
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.training.block_attention import draft_blocks_forward
 from sglang_dflash.training.data import is_dev_record
 from sglang_dflash.training.feature_cache import FeatureCache
-from sglang_dflash.training.loss import block_labels, position_weights, weighted_block_loss
+from sglang_dflash.training.loss import block_labels, position_weights, selector_candidates, weighted_block_loss
 from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig
 
 VOCAB, BLOCK, MASK = 48, 4, 5
+DFLASH2 = dict(architecture="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=4, selector_top_k=4)
+ARCHITECTURES = pytest.mark.parametrize("arch", [{}, DFLASH2], ids=["dflash", "dflash2"])
 
 
 @pytest.fixture(scope="module")
@@ -154,14 +159,15 @@ def fixed_batch_loss(trainer: DFlashTrainer, recs: list[dict]) -> float:
     seqs = [trainer.data.sequence(r) for r in recs]
     feats = target_features(trainer.runner, [s for s, _ in seqs], tuple(trainer.draft.config.target_layer_ids))
     with torch.no_grad():
-        losses = [trainer.sequence_loss(ids, plen, f.clone(), torch.arange(plen, len(ids) - 1))[0]
+        losses = [trainer.sequence_loss(ids, f.clone(), torch.arange(plen, len(ids) - 1))
                   for (ids, plen), f in zip(seqs, feats)]
     return float(sum(losses) / len(losses))
 
 
-def test_one_step_lowers_loss_on_a_fixed_batch(tiny_target: Path, tmp_path: Path):
+@ARCHITECTURES
+def test_one_step_lowers_loss_on_a_fixed_batch(tiny_target: Path, tmp_path: Path, arch: dict):
     recs = [r for r in records(40, seed=1) if not is_dev_record(r["id"])][:2]
-    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, anchors_per_seq=64, total_steps=10), recs)
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, anchors_per_seq=64, total_steps=10, **arch), recs)
     before = fixed_batch_loss(trainer, recs)
     stats = trainer.train_step()
     after = fixed_batch_loss(trainer, recs)
@@ -171,13 +177,15 @@ def test_one_step_lowers_loss_on_a_fixed_batch(tiny_target: Path, tmp_path: Path
     assert not frozen.requires_grad and trainer.draft.fc.weight.requires_grad
 
 
-def test_checkpoint_resumes_to_the_same_state(tiny_target: Path, tmp_path: Path):
+@ARCHITECTURES
+def test_checkpoint_resumes_to_the_same_state(tiny_target: Path, tmp_path: Path, arch: dict):
     data = records(12, seed=2)
-    straight = DFlashTrainer(train_config(tmp_path / "a", tiny_target), data)
+    straight = DFlashTrainer(train_config(tmp_path / "a", tiny_target, **arch), data)
     straight.run()  # 6 steps, checkpoint at 3 and 6
-    first = DFlashTrainer(train_config(tmp_path / "b", tiny_target), data)
+    first = DFlashTrainer(train_config(tmp_path / "b", tiny_target, **arch), data)
     first.run(max_steps=3)
-    resumed = DFlashTrainer(train_config(tmp_path / "b", tiny_target), data, resume_dir=tmp_path / "b" / "latest")
+    resumed = DFlashTrainer(train_config(tmp_path / "b", tiny_target, **arch), data,
+                            resume_dir=tmp_path / "b" / "latest")
     assert resumed.step == 3 and resumed.data.cursor == first.data.cursor and resumed.data.order == first.data.order
     assert [r["id"] for r in resumed.data.dev] == [r["id"] for r in first.data.dev]
     resumed.run()
@@ -220,11 +228,12 @@ def test_new_records_join_the_epoch_and_the_draft_vocab_survives_resume(tiny_tar
     assert again.draft.config.draft_vocab == vocab
 
 
-def test_dev_tau_with_the_real_worker(tiny_target: Path, tmp_path: Path):
+@ARCHITECTURES
+def test_dev_tau_with_the_real_worker(tiny_target: Path, tmp_path: Path, arch: dict):
     dev_ids = [f"d{i}" for i in range(400) if is_dev_record(f"d{i}")][:2]
     data = records(8, seed=6) + [dict(r, id=i) for r, i in zip(records(2, seed=7, prefix="x"), dev_ids)]
     trainer = DFlashTrainer(train_config(tmp_path, tiny_target, eval_worker_prompts=2, eval_max_new_tokens=12,
-                                         eval_every=2, total_steps=2), data)
+                                         eval_every=2, total_steps=2, **arch), data)
     assert [r["id"] for r in trainer.data.dev] == dev_ids and not set(dev_ids) & set(trainer.data.order)
     trainer.run(log_path=tmp_path / "history.jsonl")
     entry = trainer.history[-1]
@@ -274,3 +283,72 @@ def test_teacher_forced_eval_skips_dev_prompts_longer_than_max_len(tiny_target: 
     trainer = DFlashTrainer(train_config(tmp_path, tiny_target), records(4, seed=14) + [long, short])
     assert [r["id"] for r in trainer.data.dev] == dev_ids
     assert 1.0 <= trainer.eval_tau_teacher_forced() <= BLOCK
+
+
+# ---------------------------------------------------------------- DFlash 2
+
+
+def test_selector_candidates_insert_the_gold_where_it_falls_outside():
+    g = torch.Generator().manual_seed(20)
+    logits, top_k = torch.randn(5, 3, 30, generator=g), 4
+    labels = torch.randint(0, 30, (5, 3), generator=g)
+    labels[0, 0] = logits[0, 0].argmax()
+    labels[1, 2] = -100
+    cands, target = selector_candidates(logits, labels, top_k)
+    for i in range(5):
+        for j in range(3):
+            expect = logits[i, j].topk(top_k).indices.tolist()
+            gold = int(labels[i, j])
+            if gold >= 0 and gold not in expect:
+                expect[-1] = gold
+            assert cands[i, j].tolist() == expect
+            if gold >= 0:
+                assert expect[int(target[i, j])] == gold
+    assert int(labels[0, 0]) == int(cands[0, 0, 0])  # the argmax is always a candidate
+
+
+def test_teacher_forced_picks_equal_the_selector_path(tiny_target: Path, tmp_path: Path):
+    """Given the selector's own greedy path as the predecessors, the teacher-forced drafts are that
+    path (so teacher-forced tau is the real worker's rule), on a selector whose pair term is not silent."""
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, **DFLASH2), records(4, seed=21))
+    selector = trainer.draft.candidate_selector
+    g = torch.Generator().manual_seed(22)
+    with torch.no_grad():
+        selector.hidden_projection.weight.copy_(torch.randn(selector.hidden_projection.weight.shape, generator=g))
+        for book in (selector.predecessor_codebook, selector.successor_codebook):
+            book.copy_(torch.randn(book.shape, generator=g))
+        x = trainer.draft.norm(torch.randn(6, BLOCK - 1, 32, generator=g))
+        logits = trainer.draft.shape_logits(torch.nn.functional.linear(x, trainer.head))
+        anchors = torch.randint(0, VOCAB, (6,), generator=g)
+        unary, top = logits.topk(selector.top_k, dim=-1)
+        path, _ = selector.select(x, unary, top, anchors, None, None)
+        prev = torch.cat([anchors[:, None], path[:, :-1]], 1)
+        assert torch.equal(trainer.draft.teacher_forced_drafts(x, logits, prev), path)
+        assert not torch.equal(path, logits.argmax(-1))  # the pair term changes the path
+
+
+def test_dflash1_checkpoint_warm_starts_dflash2_exactly(tiny_target: Path, tmp_path: Path):
+    """A DFlash 2 run started from a DFlash 1 checkpoint computes what DFlash 1 computes (block loss,
+    teacher-forced tau) until it trains; then its convolutions and selector move, and it writes a DFlash 2
+    checkpoint (the engine loads it by its architecture: test_dev_tau_with_the_real_worker[dflash2])."""
+    dev_ids = [f"d{i}" for i in range(400) if is_dev_record(f"d{i}")][:2]
+    data = records(6, seed=23) + [dict(r, id=i) for r, i in zip(records(2, seed=24, prefix="x"), dev_ids)]
+    first = DFlashTrainer(train_config(tmp_path / "a", tiny_target, total_steps=3), data)
+    first.run()
+    second = DFlashTrainer(train_config(tmp_path / "b", tiny_target, init_from=str(tmp_path / "a" / "latest"),
+                                        **DFLASH2), data)
+    recs = [r for r in data if not is_dev_record(r["id"])][:2]
+    with torch.no_grad():
+        for rec in recs:
+            ids, plen = first.data.sequence(rec)
+            feats = first.features([rec], [ids])[0]
+            anchors = torch.arange(plen, len(ids) - 1)
+            _, logits1, labels1, _ = first.block_outputs(ids, feats, anchors)
+            _, logits2, labels2, _ = second.block_outputs(ids, feats, anchors)
+            torch.testing.assert_close(logits2, logits1, rtol=1e-5, atol=1e-5)
+    assert second.eval_tau_teacher_forced() == pytest.approx(first.eval_tau_teacher_forced(), abs=1e-9)
+    second.run(max_steps=2)
+    layer, selector = second.draft.layers[0], second.draft.candidate_selector
+    assert layer.attention_conv.kernel_projection.weight.abs().sum() > 0
+    assert selector.hidden_projection.weight.abs().sum() > 0
+    assert isinstance(DFlashConfig.load(tmp_path / "b" / "latest"), DFlash2Config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -29,14 +30,21 @@ def build_components(args: ServerArgs) -> tuple[TokenizerManager, Scheduler]:
     device = resolve_device(args.device)
     block = drafter = None
     reach = 1  # positions a decode step touches from the committed length on
+    draft_kv_bytes = draft_weight_bytes = 0  # the draft pool shares the target's slots
     if args.speculative_algorithm == "DFLASH":
         drafter = args.speculative_draft_model_path or default_drafter_path(args.model_path)
-        drafter_block = DFlashConfig.load(drafter).block_size
-        block = resolve_block_size(args.speculative_num_draft_tokens, drafter_block)
-        reach = 2 * drafter_block + 1  # a request may ask for the drafter's block; two blocks in flight
+        dcfg = DFlashConfig.load(drafter)
+        block = resolve_block_size(args.speculative_num_draft_tokens, dcfg.block_size)
+        reach = 2 * dcfg.block_size + 1  # a request may ask for the drafter's block; two blocks in flight
+        draft_kv_bytes = 2 * dcfg.num_hidden_layers * dcfg.num_key_value_heads * dcfg.head_dim
+        draft_kv_bytes *= args.torch_dtype.itemsize
+        # the draft's weights in the target dtype: at most the file (of bf16 or wider weights) scaled to it
+        file_bytes = (Path(drafter) / "model.safetensors").stat().st_size
+        draft_weight_bytes = file_bytes * max(1, args.torch_dtype.itemsize // 2)
     runner = ModelRunner(
         args.model_path, device, args.torch_dtype, args.max_total_tokens, args.max_running_requests,
-        args.context_length, tokens_past_committed=reach,
+        args.context_length, tokens_past_committed=reach, mem_fraction_static=args.mem_fraction_static,
+        extra_kv_bytes_per_token=draft_kv_bytes, reserved_bytes=draft_weight_bytes,
     )
     worker = TpModelWorker(runner)
     if block is not None:

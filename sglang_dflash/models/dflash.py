@@ -203,12 +203,22 @@ class DFlashDraftModel(nn.Module):
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits of normed states x."""
         if self.draft_vocab is None:
-            return self.lm_head(x).float()
+            return self.shape_logits(self.lm_head(x).float())
         head = self.draft_head if self.draft_head is not None else self.lm_head.weight[self.draft_vocab]
-        return F.linear(x, head).float()
+        return self.shape_logits(F.linear(x, head).float())
+
+    def shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's raw logits as the draft scores them (DFlash 2: multiplier and soft-capping)."""
+        return logits
 
     def map_draft_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.draft_vocab is None else self.draft_vocab[ids]
+
+    def teacher_forced_drafts(self, x: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [n, L] (draft vocabulary ids) of block rows with normed states x [n, L, H] and logits
+        [n, L, V], when row i follows the gold token prev[:, i]: what `propose` drafts for as long as its drafts
+        follow the gold (training, teacher-forced evaluation). DFlash 1: the argmax."""
+        return logits.argmax(-1)
 
     def propose(
         self, hidden: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor | None = None,
@@ -266,10 +276,10 @@ def load_model_weights(
 ) -> DFlashDraftModel:
     """A `cls` draft of `cfg` with the weights of `path`/model.safetensors, inference-ready in `dtype`."""
     with torch.device("meta"):
-        model = cls(cfg)
-    model = model.to_empty(device=device)
+        model = cls(cfg).to(dtype)
+    model = model.to_empty(device=device)  # in `dtype` from the start
     model.load_weights(load_file(str(path / "model.safetensors"), device=str(device)))
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def load_draft_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:

@@ -67,6 +67,14 @@ class DFlash2Config(DFlashConfig):
         cfg.check()
         return cfg
 
+    @classmethod
+    def extend(cls, base: DFlashConfig, taps: int, group: int, rank: int, top_k: int) -> DFlash2Config:
+        """A DFlash 2 config with `base`'s layers (e.g. to warm-start from a DFlash 1 checkpoint)."""
+        cfg = cls(**{f.name: getattr(base, f.name) for f in fields(DFlashConfig)}, conv_kernel_size=taps,
+                  conv_group_size=group, selector_rank=rank, selector_top_k=top_k)
+        cfg.check()
+        return cfg
+
     def check(self) -> None:
         if min(self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k) < 1:
             raise ValueError("conv_kernel_size, conv_group_size, selector_rank and selector_top_k must be >= 1")
@@ -152,6 +160,16 @@ class CandidateSelector(nn.Module):
         pair = torch.einsum("nr,nkr->nk", self.predecessor_codebook[prev] * h, self.successor_codebook[ids])
         return unary + pair.float()
 
+    def teacher_forced_scores(
+        self, x: torch.Tensor, unary: torch.Tensor, ids: torch.Tensor, prev: torch.Tensor
+    ) -> torch.Tensor:
+        """Scores [n, L, K] of candidates ids / unary logits [n, L, K] of normed states x [n, L, H] when
+        position i follows the given token prev[:, i] (training; teacher-forced evaluation, where it equals
+        `select`'s greedy path for as long as that path follows prev)."""
+        n, length, k = ids.shape
+        h = self.hidden_projection(x).flatten(0, 1)
+        return self.scores(h, prev.flatten(), unary.flatten(0, 1), ids.flatten(0, 1)).view(n, length, k)
+
     def select(
         self, x: torch.Tensor, unary: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
         temperatures: torch.Tensor | None, uniforms: torch.Tensor | None,
@@ -189,10 +207,17 @@ class DFlash2DraftModel(DFlashDraftModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.config.input_embedding_scale
 
-    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().head_logits(x) * self.config.output_multiplier
+    def shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def teacher_forced_drafts(self, x: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The selector's greedy pick among each row's top-K given the gold predecessor."""
+        selector = self.candidate_selector
+        unary, top = logits.topk(selector.top_k, dim=-1)
+        scores = selector.teacher_forced_scores(x, unary, self.map_draft_tokens(top), prev)
+        return top.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
 
     def propose(
         self, hidden: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor | None = None,
@@ -214,13 +239,16 @@ def load_dflash2_model(path: str | Path, device: torch.device, dtype: torch.dtyp
     return load_model_weights(DFlash2DraftModel, DFlash2Config.load(path), path, device, dtype)
 
 
-def identity_convs_(model: DFlash2DraftModel) -> DFlash2DraftModel:
-    """In place: every convolution the identity (tap 0 = 1, no dynamic part)."""
+def dflash1_equivalent_(model: DFlash2DraftModel) -> DFlash2DraftModel:
+    """In place: the DFlash 2 additions silent (every convolution the identity: tap 0 = 1, no dynamic part; no
+    selector pair term), so the draft proposes what DFlash 1 with the same shared weights proposes. Training
+    from here still moves them: the zeroed projections receive gradients through the codebooks and taps."""
     with torch.no_grad():
         for layer in model.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):
                 conv.base_kernel.zero_()[:, 0] = 1.0
                 conv.kernel_projection.weight.zero_()
+        model.candidate_selector.hidden_projection.weight.zero_()
     return model
 
 

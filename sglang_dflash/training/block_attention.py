@@ -97,6 +97,9 @@ class AnchorBlockAttention:
             self.mask = flex_block_mask(anchors, seq_len, block)
 
     def __call__(self, attn: DraftAttention, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
+        if attn.causal or attn.sliding_window is not None:
+            raise ValueError(f"draft layer {attn.layer_id} is causal or sliding-window: training supports "
+                             "full-attention, non-causal draft layers only")
         kc, vc = attn.project_kv(self.ctx, self.rope_ctx)
         if self.mask is None:
             return split_block_attention(q, kc, vc, kb, vb, self.anchors, self.block)
@@ -114,5 +117,5 @@ def draft_blocks_forward(
     attend = AnchorBlockAttention(draft, ctx, anchors, block, attention)
     ids = block_input_ids(input_ids[anchors], block, draft.config.mask_token_id)
     positions = anchors[:, None] + torch.arange(block, device=anchors.device)[None, :]
-    h = draft.embed_tokens(ids.flatten()).to(ctx.dtype)
+    h = draft.embed(ids.flatten()).to(ctx.dtype)
     return draft.run_layers(h, positions.flatten(), attend)

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from sglang_dflash.models.dflash import DFlashDraftModel
+from sglang_dflash.models.dflash2 import DFlash2Config
+from sglang_dflash.models.dflash_config import DFlashConfig
 
 if TYPE_CHECKING:
     from sglang_dflash.training.trainer import DFlashTrainer
@@ -26,9 +28,13 @@ def write_drafter(draft: DFlashDraftModel, feature_scale: torch.Tensor, path: Pa
 
 
 def load_drafter(draft: DFlashDraftModel, feature_scale: torch.Tensor, path: Path) -> None:
-    """Loads a public-format checkpoint into a draft that trains on scaled features (write_drafter's inverse)."""
+    """Loads a public-format checkpoint into a draft that trains on scaled features (write_drafter's inverse).
+    A DFlash 1 checkpoint loads into a DFlash 2 draft too: its additions keep their current (silent) weights."""
     device = feature_scale.device
-    draft.load_weights(load_file(str(path / "model.safetensors"), device=str(device)))
+    weights = load_file(str(path / "model.safetensors"), device=str(device))
+    if isinstance(draft.config, DFlash2Config) and not isinstance(DFlashConfig.load(path), DFlash2Config):
+        weights = {**draft.trainable_state_dict(), **weights}
+    draft.load_weights(weights)
     with torch.no_grad():
         draft.fc.weight.mul_(feature_scale[None, :])
     draft.prepare_inference(device)

@@ -20,16 +20,23 @@ from tqdm import tqdm
 
 from sglang_dflash.device import has_fast_bf16, resolve_device
 from sglang_dflash.models.dflash import DFlashDraftModel, random_draft_model
+from sglang_dflash.models.dflash2 import DFlash2Config, dflash1_equivalent_, random_dflash2_model
 from sglang_dflash.models.dflash_config import DFlashConfig, default_target_layer_ids
 from sglang_dflash.runtime.model_runner import ModelRunner
 from sglang_dflash.training.block_attention import draft_blocks_forward
 from sglang_dflash.training.checkpoint import load_checkpoint, load_drafter, save_checkpoint, write_drafter
 from sglang_dflash.training.data import TrainData, sample_anchors
 from sglang_dflash.training.draft_vocab import most_frequent_tokens, target_to_draft_index
-from sglang_dflash.training.evaluate import dev_tau
+from sglang_dflash.training.evaluate import dev_tau, drafter_runs
 from sglang_dflash.training.feature_cache import FeatureCache
 from sglang_dflash.training.features import TrainingFeatures
-from sglang_dflash.training.loss import block_labels, default_gamma, position_weights, weighted_block_loss
+from sglang_dflash.training.loss import (
+    block_labels,
+    default_gamma,
+    position_weights,
+    selector_loss,
+    weighted_block_loss,
+)
 
 
 @dataclass
@@ -60,6 +67,14 @@ class TrainConfig:
     eval_max_new_tokens: int = 96
     feature_cache: str | None = None  # directory for cached bf16 target features (~6 KB per token)
     init_from: str | None = None  # a DFlash checkpoint directory to start from (its config and weights)
+    # "dflash2": convolutions + candidate selector, started silent (identity convolutions, no selector pair
+    # term), so a DFlash 1 --init-from warm-starts it exactly; the next five fields shape the additions
+    architecture: str = "dflash"
+    conv_kernel_size: int = 4
+    conv_group_size: int = 64
+    selector_rank: int = 32
+    selector_top_k: int = 8
+    selector_loss_weight: float = 1.0
     device: str = "cpu"  # cpu, cuda or xpu: the target's features, the draft and the dev evaluation
 
 
@@ -92,7 +107,11 @@ class DFlashTrainer:
         dcfg = self.draft_config(resume_dir or (Path(cfg.init_from) if cfg.init_from else None))
         # norms start at one: copying the target's final-norm scale (~1.8) gave a higher loss for the first
         # 24 steps (measured: 9.8 vs 8.4 at step 24, lr 1e-3)
-        self.draft: DFlashDraftModel = random_draft_model(dcfg, seed=cfg.seed).to(self.device)
+        if isinstance(dcfg, DFlash2Config):
+            self.draft: DFlashDraftModel = dflash1_equivalent_(random_dflash2_model(dcfg, seed=cfg.seed))
+        else:
+            self.draft = random_draft_model(dcfg, seed=cfg.seed)
+        self.draft.to(self.device)
         self.draft.bind_target(self.runner.model.model.embed_tokens, self.runner.model.lm_head)
         self.draft.prepare_inference(self.device)
         head = self.runner.model.lm_head.weight
@@ -124,32 +143,53 @@ class DFlashTrainer:
     def draft_config(self, checkpoint: Path | None) -> DFlashConfig:
         """The checkpoint's draft config, or a new one for the target (with a draft vocabulary from the data)."""
         cfg, tcfg = self.cfg, self.runner.model_config
+        if cfg.architecture not in ("dflash", "dflash2"):
+            raise ValueError(f"architecture must be 'dflash' or 'dflash2', got {cfg.architecture!r}")
         if checkpoint is not None:
             dcfg = DFlashConfig.load(checkpoint)
             if dcfg.block_size != cfg.block_size:
                 raise ValueError(f"checkpoint block size {dcfg.block_size} != --block-size {cfg.block_size}")
-            return dcfg
-        dcfg = DFlashConfig.for_target(tcfg, cfg.num_layers, cfg.block_size, cfg.mask_token_id)
-        dcfg.target_layer_ids = default_target_layer_ids(cfg.num_target_layers_used, tcfg.num_hidden_layers)
-        if cfg.draft_vocab_size:
-            dcfg.draft_vocab = most_frequent_tokens(self.data.responses(), cfg.draft_vocab_size,
-                                                    always=tcfg.eos_token_ids)
+            if isinstance(dcfg, DFlash2Config) and cfg.architecture == "dflash":
+                raise ValueError(f"{checkpoint} is a DFlash 2 checkpoint: pass --architecture dflash2")
+        else:
+            dcfg = DFlashConfig.for_target(tcfg, cfg.num_layers, cfg.block_size, cfg.mask_token_id)
+            dcfg.target_layer_ids = default_target_layer_ids(cfg.num_target_layers_used, tcfg.num_hidden_layers)
+            if cfg.draft_vocab_size:
+                dcfg.draft_vocab = most_frequent_tokens(self.data.responses(), cfg.draft_vocab_size,
+                                                        always=tcfg.eos_token_ids)
+        if cfg.architecture == "dflash2" and not isinstance(dcfg, DFlash2Config):
+            dcfg = DFlash2Config.extend(dcfg, cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank,
+                                        cfg.selector_top_k)
         return dcfg
 
     # ---- one sequence ----
-    def sequence_loss(self, ids: list[int], prompt_len: int, feats: torch.Tensor, anchors: torch.Tensor):
+    def block_outputs(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor):
+        """Of every anchor block's predicted rows 1..B-1: normed states x [m, B-1, H], logits [m, B-1, V]
+        (draft vocabulary), labels [m, B-1] (draft ids, -100 = ignore) and the gold predecessors [m, B-1]."""
         block = self.cfg.block_size
         input_ids = torch.tensor(ids, device=self.device)
         anchors = anchors.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             feats = feats.float() / self.feature_scale
             h = draft_blocks_forward(self.draft, feats, input_ids, anchors, block, self.cfg.attention)
-            h = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:].flatten(0, 1)
-            logits = F.linear(h, self.head.to(h.dtype)).view(len(anchors), block - 1, -1)  # 2-D GEMM, not bmm
+            x = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:]
+            logits = F.linear(x.flatten(0, 1), self.head.to(x.dtype))  # 2-D GEMM, not bmm
+            logits = self.draft.shape_logits(logits).view(len(anchors), block - 1, -1)
         labels = block_labels(input_ids, anchors, block)
         if self.label_index is not None:
             labels = torch.where(labels >= 0, self.label_index[labels.clamp_min(0)], -100)
-        return weighted_block_loss(logits, labels, self.weights), logits, labels
+        prev = block_labels(input_ids, anchors - 1, block).clamp_min(0)  # x_a .. x_(a+B-2)
+        return x, logits, labels, prev
+
+    def sequence_loss(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        x, logits, labels, prev = self.block_outputs(ids, feats, anchors)
+        loss = weighted_block_loss(logits, labels, self.weights)
+        if isinstance(self.draft.config, DFlash2Config):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                sel = selector_loss(self.draft.candidate_selector, x, logits, labels, prev,
+                                    self.draft.map_draft_tokens, self.weights)
+            loss = loss + self.cfg.selector_loss_weight * sel
+        return loss
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -164,7 +204,7 @@ class DFlashTrainer:
             anchors = sample_anchors(plen, len(ids), cfg.anchors_per_seq, self.gen)
             if len(anchors) == 0:
                 continue
-            loss, _, _ = self.sequence_loss(ids, plen, f.clone(), anchors)
+            loss = self.sequence_loss(ids, f.clone(), anchors)
             (loss / len(seqs)).backward()
             total += loss.item()
             count += 1
@@ -190,10 +230,8 @@ class DFlashTrainer:
             for (ids, plen), f in zip(chunk, feats):
                 if len(ids) - 1 <= plen:  # no response left within max_len
                     continue
-                anchors = torch.arange(plen, len(ids) - 1, device=self.device)
-                _, logits, labels = self.sequence_loss(ids, plen, f, anchors)
-                hits = (logits.argmax(-1) == labels) & (labels >= 0)
-                run = hits.long().cumprod(1).sum(1)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    run = drafter_runs(self.draft, f.float() / self.feature_scale, ids, plen)
                 taus.append(float((run + 1).float().mean()))
         return sum(taus) / len(taus) if taus else float("nan")
 

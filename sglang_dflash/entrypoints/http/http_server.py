@@ -130,9 +130,13 @@ def native_reqs(tm: AsyncTokenizerManager, obj: GenerateReqInput) -> tuple[list[
     ids = obj.input_ids if obj.input_ids and isinstance(obj.input_ids[0], list) else None
     if obj.text is None and obj.input_ids is None:
         raise ValueError("give text or input_ids")
+    if obj.text == [] or obj.input_ids == []:
+        raise ValueError("text / input_ids is empty: give at least one prompt")
     if texts is None and ids is None:
         if isinstance(obj.sampling_params, list):
             raise ValueError("a single prompt takes one sampling_params dict")
+        if isinstance(obj.rid, list):
+            raise ValueError("a single prompt takes one rid string")
         return [tm.make_req(obj.text, obj.input_ids, obj.sampling_params, obj.rid)], False
     if obj.stream:
         raise ValueError("stream=True takes a single prompt")
@@ -140,7 +144,14 @@ def native_reqs(tm: AsyncTokenizerManager, obj: GenerateReqInput) -> tuple[list[
     params = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * n
     if len(params) != n:
         raise ValueError(f"{len(params)} sampling_params for {n} prompts")
-    return [tm.make_req(texts[i] if texts else None, ids[i] if ids else None, params[i]) for i in range(n)], True
+    rids = obj.rid if obj.rid is not None else [None] * n
+    if not isinstance(rids, list) or len(rids) != n:
+        raise ValueError(f"a batch of {n} prompts takes a list of {n} rids")
+    given = [r for r in rids if r is not None]
+    if len(set(given)) < len(given):
+        raise ValueError("the rids of a batch must be distinct")
+    return [tm.make_req(texts[i] if texts else None, ids[i] if ids else None, params[i], rids[i])
+            for i in range(n)], True
 
 
 async def generate_native(tm: AsyncTokenizerManager, obj: GenerateReqInput, request: Request) -> Response:

@@ -89,7 +89,7 @@ class GenerateReqInput(BaseModel):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None  # a list for a batch, one per prompt
 
 
 class PromptTokensDetails(BaseModel):

@@ -105,3 +105,8 @@ class DFlashSpecAlgo(CustomSpecAlgo):
         server_args.speculative_num_draft_tokens = size
         if server_args.max_running_requests is None:
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+        if not str(server_args.device).startswith("cpu") and not server_args.disable_cuda_graph:
+            # SGLang's graph runner captures verify without hidden states for algorithms outside its DFlash
+            # family, which this worker needs: it runs eager on GPUs
+            server_args.disable_cuda_graph = True
+            logger.warning("sglang_dflash: CUDA graphs disabled for %s (the worker runs eager)", ALGORITHM)

@@ -25,6 +25,7 @@ from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 from torch import nn
 
+from sglang_dflash.device import memory_info
 from sglang_dflash.integrations.sglang.draft_input import DFlashDraftInput
 from sglang_dflash.integrations.sglang.hooks import missing_hooks
 from sglang_dflash.integrations.sglang.penalties import PenaltyState, has_penalties
@@ -127,10 +128,18 @@ class DFlashSGLangWorker(BaseSpecWorker):
     def alloc_memory_pool(
         self, memory_pool_config: Any = None, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None
     ) -> None:
-        """Stores SGLang's pools; the draft K/V cache gets one row per target KV slot."""
+        """Stores SGLang's pools; the draft K/V cache gets one row per target KV slot (SGLang's memory budget does
+        not count it: too little memory left gets a clear error, not an out-of-memory)."""
         super().alloc_memory_pool(memory_pool_config, req_to_token_pool, token_to_kv_pool_allocator)
         cfg = self.draft.config
         slots = self.target_worker.model_runner.token_to_kv_pool.get_key_buffer(0).shape[0]
+        need = 2 * slots * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        need *= self.draft.fc.weight.element_size()
+        free, total = memory_info(self.device)
+        if need > free:
+            raise RuntimeError(f"sglang_dflash: the draft KV pool needs {need / 2**30:.2f} GiB for {slots} slots, "
+                               f"{free / 2**30:.2f} GiB are free: lower --mem-fraction-static by at least "
+                               f"{(need - free) / total:.3f} or set --max-total-tokens")
         pool = MHATokenToKVPool(
             slots - 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, self.draft.fc.weight.dtype,
             self.device,
