@@ -50,16 +50,18 @@ def proposal(draft, features: torch.Tensor, ids: list[int], anchor: int) -> list
 @pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
 @torch.no_grad()
 def test_teacher_forced_runs_equal_the_runs_of_real_proposals(dflash2: bool):
-    """A sequence that mostly follows the draft's own first proposal (so runs are not all zero), then at every
-    anchor: the accepted run of `propose`'s drafts == drafter_runs' teacher-forced run."""
+    """A sequence that mostly follows the draft's own proposals (its first one or two tokens, so runs of 1 and 2
+    occur by construction), then at every anchor: the accepted run of `propose`'s drafts == drafter_runs'
+    teacher-forced run."""
     draft = tiny_drafter(dflash2, seed=3)
     g = torch.Generator().manual_seed(4)
     length, prompt_len = 40, 7
     features = torch.randn(length, 2 * HIDDEN, generator=g)
     ids = torch.randint(0, VOCAB, (prompt_len,), generator=g).tolist()
     while len(ids) < length:
-        first = proposal(draft, features, ids + [0], len(ids) - 1)[0]
-        ids.append(first if torch.rand(1, generator=g) < 0.8 else int(torch.randint(0, VOCAB, (1,), generator=g)))
+        drafts, u = proposal(draft, features, ids, len(ids) - 1), float(torch.rand(1, generator=g))
+        ids += drafts[:2] if u < 0.4 else drafts[:1] if u < 0.8 else [int(torch.randint(0, VOCAB, (1,), generator=g))]
+    ids = ids[:length]
     expect = []
     for a in range(prompt_len, length - 1):
         run = 0
@@ -71,7 +73,7 @@ def test_teacher_forced_runs_equal_the_runs_of_real_proposals(dflash2: bool):
     got = drafter_runs(draft, features, ids, prompt_len).tolist()
     assert got == expect
     assert drafter_runs(draft, features, ids, prompt_len, stride=3).tolist() == expect[::3]
-    assert sum(r > 0 for r in got) >= len(got) // 2 and max(got) >= 2
+    assert sum(r > 0 for r in got) >= len(got) // 3 and max(got) >= 2  # not trivially all zero
 
 
 def test_trigram_predicts_a_most_frequent_continuation():
