@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_dflash.runtime import attention
 from sglang_dflash.runtime.attention import TorchNativeAttnBackend
 from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
 
@@ -26,8 +27,17 @@ def reference(q, k_cache, v_cache, req_to_token, rpi, prefix_lens, ext_lens, sca
     return torch.stack(out)
 
 
+LAYOUTS = {"default": None, "padded": (0, 0.0), "hybrid": (0, 0.6), "single-rows": (10**9, 10.0**9)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", range(6))
-def test_ragged_batches_match_per_request_attention(seed: int):
+def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monkeypatch):
+    """Whatever the layout (the longest blocks padded as one group, every other token a 1-token row): equal
+    to per-request attention."""
+    if LAYOUTS[layout] is not None:
+        monkeypatch.setattr(attention, "GROUP_COST", LAYOUTS[layout][0])
+        monkeypatch.setattr(attention, "PADDED_POSITION_COST", LAYOUTS[layout][1])
     gen = torch.Generator().manual_seed(seed)
     bs = int(torch.randint(1, 7, (1,), generator=gen))
     mix = [[1], [1, 2, 5], [3, 8], [1, 70]][seed % 4]  # decode, mixed verify, verify, decode + a long prefill
@@ -43,7 +53,20 @@ def test_ragged_batches_match_per_request_attention(seed: int):
     q = torch.randn(sum(ext_lens), NH, 2 * HD, generator=gen)[:, :, ::2]  # non-contiguous
     backend = TorchNativeAttnBackend(NKV, HD)
     meta = backend.init_forward_metadata(fb, req_to_token, torch.float32)
-    assert len(meta.groups) == (2 if 1 in ext_lens and max(ext_lens) > 1 else 1)
+    padded = attention.padded_rows(ext_lens, fb.max_seq_len)
+    assert len(meta.groups) == (2 if 0 < len(padded) < bs else 1)
+    if layout == "single-rows":  # only prefill-long rows are padded
+        assert padded == [i for i, n in enumerate(ext_lens) if n > attention.SMALL_Q]
     got = backend.forward(q, k_cache, v_cache, meta, HD**-0.5)
     want = reference(q, k_cache, v_cache, req_to_token, rpi, prefix_lens, ext_lens, HD**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_layout_pads_long_blocks_and_spreads_short_ones():
+    """Measured trade-offs: a few short blocks among decode rows run as extra 1-token rows (one group); long
+    blocks are padded as a group of their own; a batch of equal blocks is one padded group."""
+    assert attention.padded_rows([1] * 15 + [2], 300) == []
+    assert attention.padded_rows([16, 3, 2, 2] + [1] * 12, 400) == [0]
+    assert attention.padded_rows([16] * 4 + [1] * 12, 300) == [0, 1, 2, 3]
+    assert attention.padded_rows([16] * 16, 300) == list(range(16))
+    assert attention.padded_rows([1, 70, 2], 100) == [1]  # a prefill chunk always pads (SDPA)

@@ -9,7 +9,18 @@ import pytest
 
 from sglang_dflash.speculative.cost_model import CostModel, load_or_calibrate
 from sglang_dflash.speculative.lookup import NgramIndex
-from sglang_dflash.speculative.policy import DFLASH, EXPLORE_EVERY, EXPLORE_JOIN, LOOKUP, NONE, SpecOptions, SpecPolicy
+from sglang_dflash.speculative.policy import (
+    DFLASH,
+    EXPLORE_EVERY,
+    EXPLORE_JOIN,
+    EXPLORE_SLOWEST,
+    LOOKUP,
+    LOOKUP_PRIOR,
+    NONE,
+    Plan,
+    SpecOptions,
+    SpecPolicy,
+)
 
 
 def brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
@@ -53,8 +64,9 @@ def test_cost_model_is_monotone_and_interpolates():
         # measured: twice the calibration plus 5 ms per speculative verify token
         flat.observe(tokens, 0, requests, 2 * flat.calibrated(tokens, 0) + 0.005 * (tokens - requests))
     assert flat.step_time(4, 0, 4) < flat.step_time(16, 0, 4)
-    cost = flat
-    assert 1.7 < cost.coef[0] < 2.3 and 0.003 < cost.coef[2] < 0.007  # the prior a = 1, b = 0 fades
+    a, _, _, e = flat.coef  # the prior a = 1, e = 0 fades
+    assert 1.7 < a < 2.3 and 0.003 < e < 0.007
+    assert flat.step_time(16, 0, 4) == pytest.approx(2 * 0.05 + 0.005 * 12, rel=0.05)
 
 
 def test_cost_model_cache(tmp_path, monkeypatch):
@@ -109,20 +121,21 @@ def test_policy_prefers_a_matching_lookup_and_shrinks_blocks_under_load():
 
 def test_exploration_is_shared_by_the_batch():
     """A useless drafter in a batch of 32 requests at staggered ages: the requests re-try DFlash in shared draft
-    forwards (about one per EXPLORE_JOIN steps), never one draft forward per request."""
+    forwards, never one draft forward per request, and ever more rarely (the shared prior learns it is useless),
+    down to once per EXPLORE_SLOWEST * EXPLORE_EVERY steps."""
     policy = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
     states = [policy.new_state() for _ in range(32)]
     for i, st in enumerate(states):
         st.since_dflash = 2 * i  # arrived at different times
-    draft_steps, explored = 0, [0] * 32
-    for _ in range(256):
+    draft_steps, explored, steps = 0, [0] * 32, 4 * EXPLORE_SLOWEST * EXPLORE_EVERY
+    for _ in range(steps):
         plans = policy.plan(states, None, [16] * 32)
         draft_steps += any(p.source == DFLASH for p in plans)
         for i, p in enumerate(plans):
             explored[i] += p.source == DFLASH
         policy.observe(states, plans, [0] * 32)
-    assert draft_steps <= 256 // EXPLORE_JOIN + 2
-    assert min(explored) >= 256 // EXPLORE_EVERY  # every request still re-tries DFlash at least that often
+    assert draft_steps <= steps // (EXPLORE_SLOWEST * EXPLORE_JOIN) + 4
+    assert min(explored) >= steps // (EXPLORE_SLOWEST * EXPLORE_EVERY)  # every request still re-tries DFlash
 
 
 def test_lookup_estimates_follow_the_match_length():
@@ -142,4 +155,23 @@ def test_lookup_estimates_follow_the_match_length():
     assert policy.plan([state], [four], [16])[0].source == LOOKUP
     state.index.__init__(2, 4)
     assert policy.plan([state], [two], [16])[0].source != LOOKUP
-    assert state.accept["lookup2"][0] < 0.3 and state.accept["lookup4"][0] > 0.9
+    assert state.accept["lookup2"][0] < LOOKUP_PRIOR[2] and state.accept["lookup4"][0] > 0.9
+
+
+def test_gains_are_scaled_by_what_proposals_realised():
+    """Proposals that keep realising half of what their estimates promised have their gains halved (for every
+    request: the ratio is shared); a source that realises what it promised keeps its gains."""
+    policy = SpecPolicy(SpecOptions(16), flat_cost())
+    states = [policy.new_state() for _ in range(4)]
+    fresh = policy.new_state()
+    for _ in range(300):
+        for st in states:
+            st.accept["lookup3"] = [0.8] * 15  # an estimate that stays optimistic
+            st.accept["lookup4"] = [1.0] * 15
+        plans = [Plan(LOOKUP, 5, [1, 2, 3, 4], 3), Plan(LOOKUP, 5, [1, 2, 3, 4], 4)] * 2
+        expected3 = sum(policy.gains(states[0], "lookup3", 4))
+        policy.observe(states, plans, [1, 4, 1, 4])  # lookup3 realises ~1 of the ~2.4 expected
+    fresh.accept["lookup3"], fresh.accept["lookup4"] = [0.8] * 15, [1.0] * 15
+    ratio = sum(policy.gains(fresh, "lookup3", 4)) / sum(0.8**k for k in range(1, 5))
+    assert ratio == pytest.approx(1 / 2.3616, rel=0.05) and expected3 == pytest.approx(1.0, rel=0.05)
+    assert policy.gains(fresh, "lookup4", 4) == pytest.approx([1.0] * 4, rel=0.02)

@@ -1,6 +1,6 @@
 """Attention backends. The torch backend gathers each request's cached K/V from the paged pool and
-pads the ragged batch (1-token rows apart from longer ones); short queries (decode, verify) use batched
-GEMMs, long ones (prefill) SDPA."""
+pads the ragged batch: the longest blocks as one padded group, every other token as a 1-token row (see
+`padded_rows`); short queries (decode, verify) use batched GEMMs, long ones (prefill) SDPA."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 # Up to this many query tokens per request, two small GEMMs + softmax beat CPU SDPA (up to 15x in bf16).
 SMALL_Q = 64
+# Layout costs, in K/V positions gathered or scored per layer (measured on a 2-core CPU, bf16, 30 layers): a
+# 1-token row costs its max_kv; a padded query position about half that; a second group a fixed ~8 ms a step,
+# what ~8 rows of 320 positions cost.
+GROUP_COST = 2560
+PADDED_POSITION_COST = 0.5
 
 
 @dataclass
@@ -43,35 +48,45 @@ class TorchNativeAttnBackend:
     def init_forward_metadata(
         self, fb: ForwardBatch, req_to_token: torch.Tensor, dtype: torch.dtype
     ) -> GroupedMetadata:
+        """The requests with the longest blocks attend as one padded group; every token of the others is a
+        1-token row over its own causal prefix (its K/V is in the pool before attention), so a few short
+        blocks among decode rows cost a few rows, not a second group padded to the longest block."""
         lens = fb.extend_seq_lens_cpu
-        if min(lens) > 1 or max(lens) == 1:
-            return GroupedMetadata([(None, self._metadata(fb, None, lens, req_to_token, dtype))])
+        padded = padded_rows(lens, fb.max_seq_len)
+        if len(padded) == len(lens) or max(lens) == 1:
+            rows = (fb.req_pool_indices, fb.extend_prefix_lens, fb.seq_lens)
+            return GroupedMetadata([(None, self._metadata(fb, rows, lens, req_to_token, dtype))])
+        token_rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_seq_lens, output_size=len(fb.positions))
+        if not padded:
+            one = (token_rows, fb.positions, fb.positions + 1)
+            return GroupedMetadata([(None, self._metadata(fb, one, [1] * len(fb.positions), req_to_token, dtype))])
         device = fb.input_ids.device
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        groups = []
-        for picked in ([i for i, n in enumerate(lens) if n == 1], [i for i, n in enumerate(lens) if n > 1]):
-            tokens = torch.tensor([t for i in picked for t in range(starts[i], starts[i + 1])], device=device)
-            rows = torch.tensor(picked, device=device)
-            groups.append((tokens, self._metadata(fb, rows, [lens[i] for i in picked], req_to_token, dtype)))
+        single = sorted(set(range(len(lens))) - set(padded))
+        tokens = torch.tensor([t for i in single for t in range(starts[i], starts[i + 1])], device=device)
+        positions = fb.positions.index_select(0, tokens)
+        one = (token_rows.index_select(0, tokens), positions, positions + 1)
+        groups = [(tokens, self._metadata(fb, one, [1] * len(tokens), req_to_token, dtype))]
+        tokens = torch.tensor([t for i in padded for t in range(starts[i], starts[i + 1])], device=device)
+        idx = torch.tensor(padded, device=device)
+        rows = tuple(x.index_select(0, idx) for x in (fb.req_pool_indices, fb.extend_prefix_lens, fb.seq_lens))
+        groups.append((tokens, self._metadata(fb, rows, [lens[i] for i in padded], req_to_token, dtype)))
         return GroupedMetadata(groups)
 
     def _metadata(
-        self, fb: ForwardBatch, rows: torch.Tensor | None, lens: list[int], req_to_token: torch.Tensor,
-        dtype: torch.dtype,
+        self, fb: ForwardBatch, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lens: list[int],
+        req_to_token: torch.Tensor, dtype: torch.dtype,
     ) -> AttentionMetadata:
-        """Metadata of the requests `rows` of the batch (None: all of them), extended by `lens` tokens each."""
+        """Metadata of rows (req_pool_indices, prefix_lens, seq_lens) extended by `lens` tokens each."""
         device = fb.input_ids.device
-
-        def pick(x: torch.Tensor) -> torch.Tensor:
-            return x if rows is None else x.index_select(0, rows)
-
-        prefix_lens, seq_lens, ext_lens = pick(fb.extend_prefix_lens), pick(fb.seq_lens), pick(fb.extend_seq_lens)
+        req_pool_indices, prefix_lens, seq_lens = rows
+        ext_lens = seq_lens - prefix_lens
         bs, nkv = len(lens), self.num_kv_heads
         max_kv = fb.max_seq_len
         max_q = max(lens)
-        slots = req_to_token[pick(fb.req_pool_indices), :max_kv]
+        slots = req_to_token[req_pool_indices, :max_kv]
         kv_rows = (slots[:, None, :] * nkv + torch.arange(nkv, device=device)[None, :, None]).reshape(-1)
         kv_pos = torch.arange(max_kv, device=device)
         q_pos = torch.arange(max_q, device=device)
@@ -139,6 +154,22 @@ def _gemm_attention(
     probs = torch.add(bias[:, :, None].float(), scores.float(), alpha=scale).softmax(-1)
     out = torch.matmul(probs.view(bs, nkv, g * nq, -1).to(v.dtype), v).to(q.dtype)  # [bs, nKV, g * Q, hd]
     return out if nq == 1 else out.view(bs, nkv, g, nq, hd).permute(0, 3, 1, 2, 4)
+
+
+def padded_rows(lens: list[int], max_kv: int) -> list[int]:
+    """The rows (sorted) that attend as a padded group: the k longest, k chosen by the layout costs above.
+    Rows longer than SMALL_Q (prefill chunks, for SDPA) are always padded; 1-token rows never are."""
+    order = sorted((i for i, n in enumerate(lens) if n > 1), key=lambda i: -lens[i])
+    forced = sum(lens[i] > SMALL_Q for i in order)
+    best, best_cost = forced, None
+    for k in range(forced, len(order) + 1):
+        singles = sum(lens[i] for i in order[k:]) + len(lens) - len(order)
+        cost = singles * max_kv
+        if k:
+            cost += k * lens[order[0]] * PADDED_POSITION_COST * max_kv + (GROUP_COST if singles else 0)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = k, cost
+    return sorted(order[:best])
 
 
 def _ragged_arange(lens: torch.Tensor, total: int) -> torch.Tensor:

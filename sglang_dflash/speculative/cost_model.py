@@ -1,13 +1,17 @@
-"""CostModel: the time of a speculative step as a function of its verify tokens and draft tokens.
+"""CostModel: the time of a speculative step as a function of its requests, verify tokens and draft tokens.
 
-Piecewise-linear in each, from timed forwards of the real target and drafter on the actual device at
-start-up (`calibrate`: one request, short context), then corrected online from measured steps by least
-squares that forget old steps: seconds ~ a * verify(T) + c * draft(D) + b * (T - R), R the requests. `a`
-absorbs what a real batch adds to every step (attention over long contexts, host work), `c` the draft
-forward's share, `b` what each speculative verify token (beyond a request's one) costs beyond the
-calibration: in a real batch such a token also attends over its request's whole context, in a group of
-multi-token rows, which a one-request calibration does not see (measured at 32 requests on a CPU: ~2.4 ms
-per speculative token against ~0.5 ms calibrated).
+From timed forwards of the real target and drafter on the actual device at start-up (`calibrate`: one
+request, short context; piecewise-linear in the tokens), then corrected online from measured steps by least
+squares that forget old steps:
+
+    seconds ~ a * verify(R) + b * (verify(T) - verify(R)) + e * (T - R) + c * draft(D)
+
+R the requests, T the verify tokens, D the draft tokens. `a` scales the calibrated forward of R tokens to what a
+real batch of R requests costs (attention over long contexts, host work); `b` the calibrated cost of the
+speculative verify tokens (the GEMMs: on a CPU their cost steps up where the token count crosses a tile
+boundary, e.g. 32 -> 33, which the calibration sees); `e` what each such token adds beyond it in a real batch
+(attention over its request's context: ~0.5-1.5 ms on a 2-core CPU at 300-700 positions); `c` the draft
+forward's share. Priors a = b = c = 1, e = 0.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128, 256, 512)
 FORGET = 0.99  # weight of the past in the online fit, per observed step
 PRIOR_WEIGHT = 0.2  # the prior a = 1, b = 0 counts as this many steps
 TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
@@ -33,24 +37,29 @@ class CostModel:
     def __init__(self, verify: dict[int, float], draft: dict[int, float]):
         self.verify_points = _monotone(verify)
         self.draft_points = _monotone(draft)
-        self.coef = np.array([1.0, 1.0, 0.0])  # a, c, b
-        # the prior (a = c = 1, b = 0) weighs as PRIOR_WEIGHT steps of typical features, and never fades
-        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], float(TYPICAL_SPEC_TOKENS)])
+        self.coef = np.array([1.0, 1.0, 1.0, 0.0])  # a, c, b, e
+        # the prior weighs as PRIOR_WEIGHT steps of typical features, and never fades
+        spec = self.calibrated(1 + TYPICAL_SPEC_TOKENS, 0) - self.calibrated(1, 0)
+        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], spec, float(TYPICAL_SPEC_TOKENS)])
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
         self.prior_xy = self.prior_xx @ self.coef
-        self.xx = np.zeros((3, 3))
-        self.xy = np.zeros(3)
+        self.xx = np.zeros((4, 4))
+        self.xy = np.zeros(4)
 
     def features(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
-        """[..., 3]: calibrated verify time, calibrated draft time (0 without a draft forward), speculative
-        verify tokens (verify tokens beyond one per request)."""
+        """[..., 4]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
+        forward), calibrated verify time of the speculative tokens (those beyond one per request), their count."""
         verify_tokens, draft_tokens = np.asarray(verify_tokens, np.float64), np.asarray(draft_tokens, np.float64)
-        verify = _interp(self.verify_points, verify_tokens)
+        requests = np.broadcast_to(np.asarray(requests, np.float64), verify_tokens.shape)
+        base = _interp(self.verify_points, requests)
         draft = np.where(draft_tokens > 0, _interp(self.draft_points, draft_tokens), 0.0)
-        return np.stack([verify, draft, verify_tokens - np.asarray(requests, np.float64)], axis=-1)
+        spec = _interp(self.verify_points, verify_tokens) - base
+        return np.stack([base, draft, spec, verify_tokens - requests], axis=-1)
 
     def calibrated(self, verify_tokens: int, draft_tokens: int) -> float:
-        return float(self.features(verify_tokens, draft_tokens, verify_tokens)[:2].sum())
+        """The calibration's time of one request verifying `verify_tokens` (+ a draft forward)."""
+        draft = _interp(self.draft_points, np.array(float(draft_tokens))) if draft_tokens > 0 else 0.0
+        return float(_interp(self.verify_points, np.array(float(verify_tokens))) + draft)
 
     def step_time(self, verify_tokens: int, draft_tokens: int, requests: int) -> float:
         """Predicted seconds of a step of `requests` requests verifying `verify_tokens` in all with a draft
@@ -62,14 +71,14 @@ class CostModel:
         return self.features(verify_tokens, draft_tokens, requests) @ self.coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
-        """One measured step: refit (a, c, b), kept a, c >= 0.2 and b >= 0 (more tokens never cost less)."""
+        """One measured step: refit (a, c, b, e), kept a, c >= 0.2 and b, e >= 0 (more tokens never cost less)."""
         if seconds <= 0:
             return
         x = self.features(verify_tokens, draft_tokens, requests)
         self.xx = FORGET * self.xx + np.outer(x, x)
         self.xy = FORGET * self.xy + x * seconds
         coef = np.linalg.solve(self.xx + self.prior_xx, self.xy + self.prior_xy)
-        self.coef = np.maximum(coef, [0.2, 0.2, 0.0])
+        self.coef = np.maximum(coef, [0.2, 0.2, 0.0, 0.0])
 
     def agrees(self, verify_times: dict[int, float]) -> bool:
         """Whether measured verify times (tokens -> seconds) match this calibration within a factor STALE."""

@@ -104,10 +104,9 @@ class DFlashStep:
         device = block.candidates.device
         rows = [i for i, p in enumerate(plans) if p.source == LOOKUP]
         if rows:
-            toks = torch.zeros(len(rows), block.width - 1, dtype=torch.int64)
-            for r, i in enumerate(rows):
-                toks[r, : len(plans[i].lookup_tokens)] = torch.tensor(plans[i].lookup_tokens, dtype=torch.int64)
-            block.candidates[torch.tensor(rows, device=device), 1:] = toks.to(device)
+            pad = block.width - 1
+            toks = [plans[i].lookup_tokens + [0] * (pad - len(plans[i].lookup_tokens)) for i in rows]
+            block.candidates[torch.tensor(rows, device=device), 1:] = torch.tensor(toks, dtype=torch.int64).to(device)
         rows = [i for i, p in enumerate(plans) if p.source == DFLASH]
         if not rows:
             return None
