@@ -1,38 +1,119 @@
 #!/usr/bin/env bash
-# One-command GPU validation of the DFlash kernels (about 8 minutes at most):
-#   1. tests/test_kernels.py + tests/test_device.py with Triton compiled natively (no interpreter),
-#   2. tests/test_lossless*.py on SGLANG_DFLASH_TEST_DEVICE=cuda (skipped when absent),
-#   3. scripts/bench_kernels.py at serving shapes -> $OUT_DIR/kernels.json.
-# Every step runs even if an earlier one fails; the exit status is non-zero if any failed.
-# Usage: OUT_DIR=runs/gpu_check scripts/gpu_check.sh   (OUT_DIR defaults to $OUT, then runs/gpu_check)
+# One-command device validation of the DFlash kernels and engine from a bare checkout (no install, no model
+# hub, no default GGUF: the tests build a random stand-in target, tests/dflash_helpers.py); under 8 minutes
+# (the step time limits add up to 430 s).
+#   environment        versions, the device, where sglang_dflash imports from -> $OUT_DIR/environment.json
+#   kernel-tests       tests/test_kernels.py + tests/test_device.py: Triton compiled natively (no interpreter) on
+#                      an accelerator; on cpu the torch path only
+#   lossless-tests     tests/test_lossless_*.py with every Engine on the device (SGLANG_DFLASH_TEST_DEVICE)
+#   bench-kernels      scripts/bench_kernels.py at serving shapes -> $OUT_DIR/kernels.json
+#   decode-timing      scripts/decode_timing.py: AR vs DFLASH tokens/s -> $OUT_DIR/decode_timing.json
+# Every step runs, time-limited, even if an earlier one fails; the exit status is non-zero if any failed.
+# $OUT_DIR/summary.json: each step's status and seconds, the environment and the decode timing.
+# Usage: [CHECK_DEVICE=cuda|xpu|cpu] [CHECK_SIZE=full|tiny] [OUT_DIR=dir] scripts/gpu_check.sh
+#   CHECK_DEVICE defaults to cuda; OUT_DIR to $OUT, then runs/gpu_check. CHECK_SIZE=tiny: a 5-layer stand-in
+#   target, one greedy and one sampling lossless test, small benchmark shapes (CI's dry run: tests/test_gpu_check.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR="${OUT_DIR:-${OUT:-runs/gpu_check}}"
-mkdir -p "$OUT_DIR"
+ROOT=$(pwd -P)
+DEVICE=${CHECK_DEVICE:-cuda}
+SIZE=${CHECK_SIZE:-full}
+OUT_DIR=${OUT_DIR:-${OUT:-runs/gpu_check}}
+mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd -P)
 unset TRITON_INTERPRET SGLANG_DFLASH_KERNELS
-status=0
+export SGLANG_DFLASH_TEST_DEVICE=$DEVICE
 
+# pyproject.toml maps sglang_dflash.kernels to kernels/ and sglang_dflash.scheduler to scheduler/, which only an
+# install applies. Rebuild that mapping with symlinks in a temp dir and run Python from there: `python -m` puts
+# the working directory first on sys.path, so the checkout's own sglang_dflash/ must not be the working directory.
+PKG_ROOT=$(mktemp -d)
+trap 'rm -rf "$PKG_ROOT"' EXIT
+mkdir "$PKG_ROOT/sglang_dflash"
+ln -s "$ROOT"/sglang_dflash/* "$ROOT/kernels" "$ROOT/scheduler" "$PKG_ROOT/sglang_dflash/"
+export PYTHONPATH="$PKG_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$PKG_ROOT"
+
+kernel_args=() bench_args=() decode_args=()
+lossless_tests=("$ROOT/tests/test_lossless_greedy.py" "$ROOT/tests/test_lossless_sampling.py")
+if [[ $DEVICE == cpu ]]; then
+    kernel_args=(-k "not triton")
+fi
+if [[ $SIZE == tiny ]]; then
+    export SGLANG_DFLASH_TEST_STANDIN_LAYERS=5  # the fewest that a 2-layer drafter can read from
+    lossless_tests=("${lossless_tests[0]}::test_oracle_drafter_matches_ar[0.0]"
+                    "${lossless_tests[1]}::test_dflash_sampling_matches_exact[T1]")
+    bench_args=(--tokens 16 --batch 1 --vocab 4096)
+    decode_args=(--prompts 2 --new-tokens 16)
+elif [[ $SIZE != full ]]; then
+    echo "CHECK_SIZE must be full or tiny, got '$SIZE'" >&2
+    exit 2
+fi
+
+status=0
+steps=()
 step() {  # step NAME TIMEOUT_S CMD...
-    local name=$1 limit=$2 start=$SECONDS
+    local name=$1 limit=$2 start=$SECONDS rc result=ok
     shift 2
     echo "=== $name"
-    if timeout "$limit" "$@"; then
-        echo "=== $name: ok ($((SECONDS - start)) s)"
-    else
-        echo "=== $name: FAILED rc=$? ($((SECONDS - start)) s)"
-        status=1
+    timeout -k 5 "$limit" "$@"
+    rc=$?
+    if ((rc == 124 || rc == 137)); then
+        result=timeout
+    elif ((rc != 0)); then
+        result=failed
     fi
+    ((rc == 0)) || status=1
+    echo "=== $name: $result rc=$rc ($((SECONDS - start)) s)"
+    steps+=("{\"name\": \"$name\", \"status\": \"$result\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}")
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-step kernel-tests 150 python -m pytest -q tests/test_kernels.py tests/test_device.py
-shopt -s nullglob
-lossless=(tests/test_lossless*.py)
-if ((${#lossless[@]})); then
-    step lossless-tests 210 env SGLANG_DFLASH_TEST_DEVICE=cuda python -m pytest -q "${lossless[@]}"
-else
-    echo "=== lossless-tests: none found, skipped"
-fi
-step bench-kernels 100 python scripts/bench_kernels.py --device cuda --out "$OUT_DIR/kernels.json"
+[[ $DEVICE == cuda ]] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; }
+step environment 20 python - "$OUT_DIR/environment.json" "$DEVICE" <<'EOF'
+import json
+import platform
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+import sglang_dflash.kernels
+import sglang_dflash.scheduler
+from sglang_dflash.device import resolve_device
+from sglang_dflash.kernels.backend import triton_available, triton_import_error
+
+device = resolve_device(sys.argv[2])
+info = {
+    "python": platform.python_version(),
+    "torch": torch.__version__,
+    "triton": version("triton") if triton_available() else triton_import_error(),
+    "device": str(device),
+    "device_name": torch.get_device_module(device.type).get_device_name(device) if device.type != "cpu" else None,
+    "kernels_from": str(Path(sglang_dflash.kernels.__file__).resolve().parent),
+    "scheduler_from": str(Path(sglang_dflash.scheduler.__file__).resolve().parent),
+}
+Path(sys.argv[1]).write_text(json.dumps(info, indent=2))
+print(info)
+EOF
+step kernel-tests 120 python -m pytest -q "$ROOT/tests/test_kernels.py" "$ROOT/tests/test_device.py" "${kernel_args[@]}"
+step lossless-tests 180 python -m pytest -q "${lossless_tests[@]}"
+step bench-kernels 50 python "$ROOT/scripts/bench_kernels.py" --device "$DEVICE" --out "$OUT_DIR/kernels.json" \
+    "${bench_args[@]}"
+step decode-timing 60 python "$ROOT/scripts/decode_timing.py" --device "$DEVICE" --out "$OUT_DIR/decode_timing.json" \
+    "${decode_args[@]}"
+
+python - "$OUT_DIR" "$DEVICE" "$SIZE" "${steps[@]}" <<'EOF' || status=1
+import json
+import sys
+from pathlib import Path
+
+out, device, size, *steps = sys.argv[1:]
+summary = {"device": device, "size": size, "steps": [json.loads(s) for s in steps]}
+summary["ok"] = all(s["status"] == "ok" for s in summary["steps"])
+for name in ("environment", "decode_timing"):
+    path = Path(out) / f"{name}.json"
+    summary[name] = json.loads(path.read_text()) if path.is_file() else None
+(Path(out) / "summary.json").write_text(json.dumps(summary, indent=2))
+print(f"wrote {out}/summary.json: ok={summary['ok']}")
+EOF
 exit $status

