@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from sglang_dflash.speculative.cost_model import CostModel, load_or_calibrate
+from sglang_dflash.speculative.cost_model import LOWER_BOUNDS, CostModel, _bounded_solve, load_or_calibrate
 from sglang_dflash.speculative.lookup import NgramIndex
 from sglang_dflash.speculative.policy import (
     DFLASH,
+    EXPLORE_BUDGET,
     EXPLORE_EVERY,
     EXPLORE_JOIN,
     EXPLORE_SLOWEST,
@@ -175,3 +177,49 @@ def test_gains_are_scaled_by_what_proposals_realised():
     ratio = sum(policy.gains(fresh, "lookup3", 4)) / sum(0.8**k for k in range(1, 5))
     assert ratio == pytest.approx(1 / 2.3616, rel=0.05) and expected3 == pytest.approx(1.0, rel=0.05)
     assert policy.gains(fresh, "lookup4", 4) == pytest.approx([1.0] * 4, rel=0.02)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cost_model_fit_is_the_bounded_least_squares_optimum(seed: int):
+    """The online refit against a brute-force search: random 4-feature problems whose free solution breaks the
+    bounds; the warm-started answer equals the best of every bounded fit, and no feasible point beats it."""
+    rng = np.random.default_rng(seed)
+    held = (False,) * 4
+    for _ in range(30):
+        x = rng.normal(size=(12, 4))
+        x[:, 3] = x[:, 2] + 0.05 * rng.normal(size=12)  # nearly collinear, like b and e
+        y = x @ rng.normal(0, 1, 4) + 0.1 * rng.normal(size=12)
+        xx, xy = x.T @ x, x.T @ y
+        coef, held = _bounded_solve(xx, xy, LOWER_BOUNDS, held)
+        assert (coef >= LOWER_BOUNDS).all()
+
+        def loss(c, xx=xx, xy=xy):
+            return c @ xx @ c - 2 * c @ xy
+
+        cold, _ = _bounded_solve(xx, xy, LOWER_BOUNDS, (True, False, True, False))
+        assert loss(coef) == pytest.approx(loss(cold), rel=1e-9, abs=1e-9)
+        for _ in range(200):  # feasible perturbations never do better
+            trial = np.maximum(coef + rng.normal(0, 0.05, 4), LOWER_BOUNDS)
+            assert loss(trial) >= loss(coef) - 1e-9
+
+
+def test_exploration_spends_at_most_its_budget():
+    """Where an exploring step is dear (32 requests on a CPU-like cost: the 33rd verify token steps the cost
+    up, and 32 exploring rows triple the step), the batch still re-tries DFlash, within EXPLORE_BUDGET of the
+    predicted time (plus the credit one may save up)."""
+    cost = CostModel({1: 1.0, 32: 1.0, 33: 1.5, 128: 2.0}, {16: 0.5, 128: 1.0})
+    policy = SpecPolicy(SpecOptions(16, lookup=False), cost)
+    states = [policy.new_state() for _ in range(32)]
+    spent = total = 0.0
+    exploring_steps = 0
+    for _ in range(1000):
+        plans = policy.plan(states, None, [16] * 32)
+        plain = [Plan(NONE, 1) if p.source == DFLASH else p for p in plans]
+        total += policy._step_time(plans)
+        if any(p.source == DFLASH for p in plans):
+            exploring_steps += 1
+            spent += policy._step_time(plans) - policy._step_time(plain)
+        policy.observe(states, plans, [1 if p.source == DFLASH else 0 for p in plans])  # 1 of 3 drafts accepted
+    assert exploring_steps >= 3
+    saved_up = EXPLORE_BUDGET * EXPLORE_EVERY * EXPLORE_SLOWEST * cost.step_time(32, 0, 32)
+    assert spent <= EXPLORE_BUDGET * total + saved_up

@@ -52,8 +52,7 @@ class TorchNativeAttnBackend:
         1-token row over its own causal prefix (its K/V is in the pool before attention), so a few short
         blocks among decode rows cost a few rows, not a second group padded to the longest block."""
         lens = fb.extend_seq_lens_cpu
-        padded = padded_rows(lens, fb.max_seq_len)
-        if len(padded) == len(lens) or max(lens) == 1:
+        if max(lens) == 1 or min(lens) == max(lens) or len(padded := padded_rows(lens, fb.max_seq_len)) == len(lens):
             rows = (fb.req_pool_indices, fb.extend_prefix_lens, fb.seq_lens)
             return GroupedMetadata([(None, self._metadata(fb, rows, lens, req_to_token, dtype))])
         token_rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_seq_lens, output_size=len(fb.positions))
@@ -162,8 +161,10 @@ def padded_rows(lens: list[int], max_kv: int) -> list[int]:
     order = sorted((i for i, n in enumerate(lens) if n > 1), key=lambda i: -lens[i])
     forced = sum(lens[i] > SMALL_Q for i in order)
     best, best_cost = forced, None
+    singles = sum(lens[i] for i in order[forced:]) + len(lens) - len(order)  # tokens left as 1-token rows
     for k in range(forced, len(order) + 1):
-        singles = sum(lens[i] for i in order[k:]) + len(lens) - len(order)
+        if k > forced:
+            singles -= lens[order[k - 1]]
         cost = singles * max_kv
         if k:
             cost += k * lens[order[0]] * PADDED_POSITION_COST * max_kv + (GROUP_COST if singles else 0)

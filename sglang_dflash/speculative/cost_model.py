@@ -17,6 +17,7 @@ forward's share. Priors a = b = c = 1, e = 0.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -25,12 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
-CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128, 256, 512)
+# A CPU GEMM's time steps up one row past a multiple of 16 (oneDNN bf16 tiles; measured on a 2-core AMX CPU, a whole
+# decode forward: 32 -> 33 rows +5.5 ms, 48 -> 49 +13 ms, ~0.7 ms a row in between): points on both sides of each
+# step, so the first speculative token of a batch of 32 is priced at the step it costs
+CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 256, 512)
 FORGET = 0.99  # weight of the past in the online fit, per observed step
 PRIOR_WEIGHT = 0.2  # the prior (a = b = c = 1, e = 0) counts as this many steps
 TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
 PROBE_TOKENS = (1, 16)  # verify sizes timed at start-up to check a cached calibration ...
 STALE = 1.3  # ... which is redone when off by more than this factor
+LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0])  # a, c, b, e: more tokens never cost less
 
 
 class CostModel:
@@ -45,6 +50,7 @@ class CostModel:
         self.prior_xy = self.prior_xx @ self.coef
         self.xx = np.zeros((4, 4))
         self.xy = np.zeros(4)
+        self.held = (False,) * 4  # the coefficients at their lower bounds in the last fit
 
     def features(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
         """[..., 4]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
@@ -71,14 +77,14 @@ class CostModel:
         return self.features(verify_tokens, draft_tokens, requests) @ self.coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
-        """One measured step: refit (a, c, b, e), kept a, c >= 0.2 and b, e >= 0 (more tokens never cost less)."""
+        """One measured step: refit (a, c, b, e) within LOWER_BOUNDS."""
         if seconds <= 0:
             return
         x = self.features(verify_tokens, draft_tokens, requests)
         self.xx = FORGET * self.xx + np.outer(x, x)
         self.xy = FORGET * self.xy + x * seconds
-        coef = np.linalg.solve(self.xx + self.prior_xx, self.xy + self.prior_xy)
-        self.coef = np.maximum(coef, [0.2, 0.2, 0.0, 0.0])
+        self.coef, self.held = _bounded_solve(self.xx + self.prior_xx, self.xy + self.prior_xy, LOWER_BOUNDS,
+                                              self.held)
 
     def agrees(self, verify_times: dict[int, float]) -> bool:
         """Whether measured verify times (tokens -> seconds) match this calibration within a factor STALE."""
@@ -90,6 +96,36 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls({int(k): v for k, v in d["verify"].items()}, {int(k): v for k, v in d["draft"].items()})
+
+
+def _bounded_solve(xx: np.ndarray, xy: np.ndarray, lower: np.ndarray, held: tuple[bool, ...]) -> tuple[
+        np.ndarray, tuple[bool, ...]]:
+    """argmin of c'(xx)c - 2c'(xy) subject to c >= lower, and which coefficients sit at their bounds: the fit that
+    holds `held` (the last step's answer) at their bounds if it is optimal (the problem is convex: optimal where
+    the free coefficients are within bounds and raising a held one would not lower the loss), else the best over
+    every subset held. (Clipping the free solution is not the bounded optimum: with b and e nearly collinear, a
+    clipped e leaves b at its share of a joint fit.)"""
+
+    def fit(subset: tuple[bool, ...]) -> np.ndarray:
+        fixed = np.array(subset)
+        free = ~fixed
+        coef = lower.copy()
+        if free.any():
+            rhs = xy[free] - xx[np.ix_(free, fixed)] @ lower[fixed]
+            coef[free] = np.linalg.solve(xx[np.ix_(free, free)], rhs)
+        return coef
+
+    coef = fit(held)
+    fixed = np.array(held)
+    if (coef[~fixed] >= lower[~fixed]).all() and (xx @ coef - xy)[fixed].min(initial=0.0) >= 0:
+        return coef, held
+    best, best_loss = (lower.copy(), held), float("inf")
+    for subset in itertools.product((False, True), repeat=len(xy)):
+        coef = fit(subset)
+        loss = coef @ xx @ coef - 2 * coef @ xy
+        if (coef >= lower).all() and loss < best_loss:
+            best, best_loss = (coef, subset), loss
+    return best
 
 
 def _monotone(points: dict[int, float]) -> list[tuple[int, float]]:

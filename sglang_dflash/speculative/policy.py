@@ -6,7 +6,8 @@ a 2-gram one), starting from a prior shared by all requests (learnt from all of 
 request that has not tried DFlash for EXPLORE_EVERY steps tries a short block, so the estimates follow the
 text, and every request that has not for EXPLORE_JOIN steps joins it: a batch pays for one exploring draft
 forward every ~EXPLORE_JOIN steps, not one per request (up to EXPLORE_SLOWEST times rarer while the prior says
-DFlash's first draft is seldom accepted). Extending request i's block from b to b + 1 tokens adds
+DFlash's first draft is seldom accepted, and never more than EXPLORE_BUDGET of the predicted time: at 32
+requests on a CPU an exploring step costs ~1.7 plain ones). Extending request i's block from b to b + 1 tokens adds
 prod_{k<=b} p_ik expected committed tokens; a step's cost comes from a cost model of the verify tokens
 and the draft forward (`CostModel`). The plan takes the expected-gain-sorted extensions while they raise
 expected tokens per second, for a batch with and without a draft forward, and keeps the better one.
@@ -30,6 +31,8 @@ EXPLORE_JOIN = 32  # ... and so does every request that has not for this many (o
 EXPLORE_BLOCK = 4
 EXPLORE_PRIOR = 0.3  # below this first-position acceptance of DFlash in the shared prior, exploring slows down ...
 EXPLORE_SLOWEST = 8  # ... to at most this many times less often (a useless drafter is then nearly never retried)
+EXPLORE_BUDGET = 0.01  # exploring steps may add at most this share of the predicted decode time (a batch of 32
+# exploring rows costs ~70% of a step on a 2-core CPU: every 32 steps that would be 2%)
 REALISED_DECAY = 0.99  # per verified proposal, in the shared ratio of accepted to expected drafts per source
 REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted)
 LOOKUP_PRIOR = {2: 0.55, 3: 0.65}  # initial acceptance of a lookup proposal by match length (0.8 beyond):
@@ -86,6 +89,7 @@ class SpecPolicy:
         # proposals whose estimates are high, so what they realise falls short of what was expected (measured
         # at 32 requests: 2-gram lookups 0.62 expected, 0.47 accepted); the gains are scaled by the ratio
         self.realised = {key: [REALISED_PRIOR, REALISED_PRIOR] for key in self.prior}
+        self.explore_credit = 0.0  # predicted seconds exploring may still spend (EXPLORE_BUDGET of each step's)
 
     def new_state(self) -> ReqSpecState:
         o = self.options
@@ -126,10 +130,24 @@ class SpecPolicy:
         due = [i for i, (st, lim) in enumerate(zip(states, limits))
                if st.since_dflash >= EXPLORE_JOIN * slow and plans[i].source == NONE and lim > 1]
         drafting = any(p.source == DFLASH for p in plans)
-        if drafting or any(states[i].since_dflash >= EXPLORE_EVERY * slow for i in due):
-            for i in due:
-                plans[i] = Plan(DFLASH, min(limits[i], EXPLORE_BLOCK))
-        return plans
+        step = self._step_time(plans)  # the credit saved up is capped (at ~5 steps at most)
+        self.explore_credit = min(self.explore_credit + EXPLORE_BUDGET * step,
+                                  EXPLORE_BUDGET * EXPLORE_EVERY * EXPLORE_SLOWEST * step)
+        if not due or not (drafting or any(states[i].since_dflash >= EXPLORE_EVERY * slow for i in due)):
+            return plans
+        explored = list(plans)
+        for i in due:
+            explored[i] = Plan(DFLASH, min(limits[i], EXPLORE_BLOCK))
+        extra = self._step_time(explored) - self._step_time(plans)
+        if extra > self.explore_credit:  # exploring now would spend more than its share of the time
+            return plans
+        self.explore_credit -= extra
+        return explored
+
+    def _step_time(self, plans: list[Plan]) -> float:
+        """The cost model's time of a step of these plans (the draft forward over the DFlash rows' longest block)."""
+        widths = [p.block_len for p in plans if p.source == DFLASH]
+        return self.cost.step_time(sum(p.block_len for p in plans), len(widths) * max(widths, default=0), len(plans))
 
     def _best(self, lookups, lookup_gains, dflash_gains) -> tuple[float, list[Plan]]:
         """The best plan of a batch without (dflash_gains None) or with a draft forward: (expected tokens per
