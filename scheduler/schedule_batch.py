@@ -181,7 +181,8 @@ class GenerationBatchResult:
     plans: list | None = None  # the speculative plan of each request (source, block length)
 
     def resolve(self) -> tuple[list[list[int]], list[int] | None]:
-        """(tokens per request, accepted drafts per request) on the host: the one sync point."""
+        """(tokens per request, accepted drafts per request) on the host: the one sync point (a speculative row
+        holds its accepted drafts and the next bonus, so the accepted count is its token count - 1)."""
         rows = self.out_tokens.tolist()
         tokens = [[t for t in row if t >= 0] for row in rows]
-        return tokens, None if self.accept_lens is None else self.accept_lens.tolist()
+        return tokens, None if self.accept_lens is None else [len(t) - 1 for t in tokens]

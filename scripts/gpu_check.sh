@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One-command device validation of the DFlash kernels and engine from a bare checkout (no install, no model
 # hub, no default GGUF: the tests build a random stand-in target, tests/dflash_helpers.py); under 8 minutes
-# (the step time limits add up to 430 s).
+# (the step time limits add up to 490 s).
 #   environment        versions, the device, where sglang_dflash imports from -> $OUT_DIR/environment.json
 #   kernel-tests       tests/test_kernels.py + tests/test_device.py: Triton compiled natively (no interpreter) on
 #                      an accelerator; on cpu the torch path only
 #   lossless-tests     tests/test_lossless_*.py with every Engine on the device (SGLANG_DFLASH_TEST_DEVICE)
 #   bench-kernels      scripts/bench_kernels.py at serving shapes -> $OUT_DIR/kernels.json
 #   decode-timing      scripts/decode_timing.py: AR vs DFLASH tokens/s -> $OUT_DIR/decode_timing.json
+#   sync-census        scripts/sync_census.py: blocking host-device operations per decode step (instrumented, and
+#                      torch's sync debug mode on CUDA) -> $OUT_DIR/sync_census.json
 # Every step runs, time-limited, even if an earlier one fails; the exit status is non-zero if any failed.
 # $OUT_DIR/summary.json: each step's status and seconds, the environment and the decode timing.
 # Usage: [CHECK_DEVICE=cuda|xpu|cpu] [CHECK_SIZE=full|tiny] [OUT_DIR=dir] scripts/gpu_check.sh
@@ -101,6 +103,7 @@ step bench-kernels 50 python "$ROOT/scripts/bench_kernels.py" --device "$DEVICE"
     "${bench_args[@]}"
 step decode-timing 60 python "$ROOT/scripts/decode_timing.py" --device "$DEVICE" --out "$OUT_DIR/decode_timing.json" \
     "${decode_args[@]}"
+step sync-census 60 python "$ROOT/scripts/sync_census.py" --device "$DEVICE" --out "$OUT_DIR/sync_census.json"
 
 python - "$OUT_DIR" "$DEVICE" "$SIZE" "${steps[@]}" <<'EOF' || status=1
 import json
@@ -110,7 +113,7 @@ from pathlib import Path
 out, device, size, *steps = sys.argv[1:]
 summary = {"device": device, "size": size, "steps": [json.loads(s) for s in steps]}
 summary["ok"] = all(s["status"] == "ok" for s in summary["steps"])
-for name in ("environment", "decode_timing"):
+for name in ("environment", "decode_timing", "sync_census"):
     path = Path(out) / f"{name}.json"
     summary[name] = json.loads(path.read_text()) if path.is_file() else None
 (Path(out) / "summary.json").write_text(json.dumps(summary, indent=2))

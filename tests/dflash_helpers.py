@@ -10,7 +10,7 @@ import os
 import random
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from sglang_dflash.models.dflash import random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.model_store import resolve_model_dir
 from sglang_dflash.scheduler.schedule_batch import Req
+from sglang_dflash.sync_census import SyncCensus
 from sglang_dflash.workers.dflash_worker import DFlashWorker
 
 CHAT_PROMPTS = [
@@ -278,3 +279,39 @@ def save_standin_target(path: Path, num_layers: int = 30, seed: int = 0) -> Path
     )
     save_char_tokenizer(path, smollm2_config().vocab_size)
     return path
+
+
+def census_engine(algorithm: str, device: str = TEST_DEVICE) -> Engine:
+    """The sync census's engines: AR, or DFLASH with the random drafter in fixed blocks of 16 (every row drafts,
+    so a step's count does not depend on the plan)."""
+    dflash = {"speculative_draft_model_path": str(random_drafter_path()), "speculative_adaptive": False,
+              "speculative_lookup": False}
+    return Engine(device=device, model_path=target_model_path(), speculative_algorithm=algorithm,
+                  max_total_tokens=SMALL_POOL, max_running_requests=8, log_level="warning",
+                  **(dflash if algorithm == "DFLASH" else {}))
+
+
+def decode_step_census(
+    engine: Engine, batch: int, sampled: bool, around: AbstractContextManager | None = None
+) -> SyncCensus:
+    """The blocking host-device operations of one decode step (`Scheduler.run_step`) of `batch` chat requests,
+    after their prefill and 3 warm-up steps (`around`, if given, is entered around that step too); the requests
+    are aborted afterwards."""
+    tm, sched = engine.tokenizer_manager, engine.scheduler
+    params = {"max_new_tokens": 64, "temperature": 0.8 if sampled else 0.0, "ignore_eos": True}
+    reqs = []
+    for i, prompt in enumerate(CHAT_PROMPTS[:batch]):
+        req = tm.make_req(None, tm.chat_ids([{"role": "user", "content": prompt}]), {**params, "seed": i})
+        sched.add_request(req)
+        reqs.append(req)
+    while any(not r.output_ids for r in reqs):  # prefill
+        sched.run_step()
+    for _ in range(3):
+        sched.run_step()
+    with torch.inference_mode(), around or nullcontext(), SyncCensus() as census:
+        sched.run_step()
+    for req in reqs:
+        sched.abort_request(req.rid)
+    while sched.has_work():
+        sched.run_step()
+    return census

@@ -103,11 +103,17 @@ class ForwardBatch:
         max_seq_len: int,
         req_to_token: torch.Tensor,
         capture_layer_ids: tuple[int, ...] | None = None,
+        extend_lens_device: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """Decode / verify batch whose prefix lengths live on the device (FutureMap): no host sync.
-        input_ids are flat [sum(extend_lens)]; logits for every row."""
+        input_ids are flat [sum(extend_lens)]; logits for every row. `extend_lens_device`: the same lengths on
+        the device where the caller has them (else they are uploaded, or made there for a decode batch)."""
         device = input_ids.device
-        ext = torch.tensor(extend_lens, dtype=torch.int64, device=device)
+        ext = extend_lens_device
+        if ext is None:
+            n = len(extend_lens)
+            ext = (torch.ones(n, dtype=torch.int64, device=device) if max(extend_lens) == 1
+                   else torch.tensor(extend_lens, dtype=torch.int64, device=device))
         total = sum(extend_lens)
         req_of_row = torch.repeat_interleave(torch.arange(len(extend_lens), device=device), ext, output_size=total)
         row_starts = torch.repeat_interleave(ext.cumsum(0) - ext, ext, output_size=total)

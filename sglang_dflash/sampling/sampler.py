@@ -32,19 +32,28 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatchInfo:
-        def t(vals, dtype=torch.float32):
-            return torch.tensor(vals, dtype=dtype, device=device)
-
+        """One upload of a [8, n] float32 table (top-k and the greedy flag are exact in float32), cut into the
+        per-parameter rows on the device: a copy from host memory waits for a GPU's stream, so one, not eight."""
         greedy = [p.is_greedy for p in params]
+        table = torch.tensor([
+            [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+            [p.top_p for p in params],
+            [p.top_k if p.top_k > 0 else vocab_size for p in params],
+            [p.min_p for p in params],
+            [float(g) for g in greedy],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        ], dtype=torch.float32).to(device)
         return cls(
-            temperatures=t([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            top_ps=t([p.top_p for p in params]),
-            top_ks=t([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
-            min_ps=t([p.min_p for p in params]),
-            greedy=t(greedy, torch.bool),
-            repetition=t([p.repetition_penalty for p in params]),
-            frequency=t([p.frequency_penalty for p in params]),
-            presence=t([p.presence_penalty for p in params]),
+            temperatures=table[0],
+            top_ps=table[1],
+            top_ks=table[2].long(),
+            min_ps=table[3],
+            greedy=table[4] > 0,
+            repetition=table[5],
+            frequency=table[6],
+            presence=table[7],
             all_greedy=all(greedy),
             any_penalty=any(p.has_penalties for p in params),
             need_top_p=any(p.top_p < 1 for p in params),

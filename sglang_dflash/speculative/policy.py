@@ -77,6 +77,13 @@ def lookup_key(n: int) -> str:
     return f"{LOOKUP}{n}"
 
 
+def step_shape(plans: list[Plan]) -> tuple[int, int, int]:
+    """(verify tokens, draft tokens, requests) of a step of these plans, as the cost model takes them: the draft
+    forward runs over the DFlash rows, each padded to their longest block."""
+    widths = [p.block_len for p in plans if p.source == DFLASH]
+    return sum(p.block_len for p in plans), len(widths) * max(widths, default=0), len(plans)
+
+
 class SpecPolicy:
     def __init__(self, options: SpecOptions, cost: CostModel | None):
         self.options = options
@@ -145,9 +152,8 @@ class SpecPolicy:
         return explored
 
     def _step_time(self, plans: list[Plan]) -> float:
-        """The cost model's time of a step of these plans (the draft forward over the DFlash rows' longest block)."""
-        widths = [p.block_len for p in plans if p.source == DFLASH]
-        return self.cost.step_time(sum(p.block_len for p in plans), len(widths) * max(widths, default=0), len(plans))
+        """The cost model's time of a step of these plans."""
+        return self.cost.step_time(*step_shape(plans))
 
     def _best(self, lookups, lookup_gains, dflash_gains) -> tuple[float, list[Plan]]:
         """The best plan of a batch without (dflash_gains None) or with a draft forward: (expected tokens per

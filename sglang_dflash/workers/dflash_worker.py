@@ -26,7 +26,7 @@ from sglang_dflash.speculative.cost_model import CostModel, calibrate, load_or_c
 from sglang_dflash.speculative.dflash_step import DFlashStep
 from sglang_dflash.speculative.draft_block import DraftBlock
 from sglang_dflash.speculative.drafter import load_drafter
-from sglang_dflash.speculative.policy import DFLASH, Plan, ReqSpecState, SpecOptions, SpecPolicy
+from sglang_dflash.speculative.policy import Plan, ReqSpecState, SpecOptions, SpecPolicy, step_shape
 from sglang_dflash.workers.tp_worker import TpModelWorker
 
 logger = logging.getLogger(__name__)
@@ -104,9 +104,7 @@ class DFlashWorker:
         self.target.future_map.publish(rpi, out.next_bonus, out.new_seq_lens)
         cost = self.step.policy.cost
         if cost is not None and self.device.type == "cpu":  # a synchronous device: the wall time is the step's
-            widths = [p.block_len for p in plans if p.source == DFLASH]
-            cost.observe(sum(out.block_lens), len(widths) * max(widths, default=0), len(plans),
-                         time.perf_counter() - start)
+            cost.observe(*step_shape(plans), time.perf_counter() - start)
         return GenerationBatchResult(out.out_tokens, out.accept_lens, out.block_lens, plans)
 
     def plan(self, batch: ScheduleBatch) -> tuple[list[ReqSpecState], list[Plan]]:
@@ -173,6 +171,7 @@ class DFlashWorker:
         fb = ForwardBatch.build_from_device(
             ForwardMode.TARGET_VERIFY, block.verified(block.candidates), block.req_pool_indices, block.seq_lens,
             block.block_lens_cpu, self.kv_bound, self.req_to_token, capture_layer_ids=self.capture_layer_ids,
+            extend_lens_device=block.block_lens,
         )
         out = self.target.forward(fb)
         logits = out.next_token_logits
