@@ -145,7 +145,7 @@ class SpecPolicy:
         explored = list(plans)
         for i in due:
             explored[i] = Plan(DFLASH, min(limits[i], EXPLORE_BLOCK))
-        extra = self._step_time(explored) - self._step_time(plans)
+        extra = self._step_time(explored) - step
         if extra > self.explore_credit:  # exploring now would spend more than its share of the time
             return plans
         self.explore_credit -= extra
