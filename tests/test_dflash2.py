@@ -287,13 +287,14 @@ GREEDY_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm_dflash2(tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    """The default target with a random DFlash 2 drafter (2 layers, block 8), adaptive blocks + lookup on."""
+    """The default target with a random DFlash 2 drafter (2 layers, block 8), lookup on, fixed blocks: the
+    adaptive policy would (rightly) stop drafting with a random drafter, and this engine must run DFlash 2."""
     path = tmp_path_factory.mktemp("dflash2") / "draft"
     base = DFlashConfig.for_target(default_target_config(), 2, 8, mask_token_id=0)
     cfg = dflash2_config(base, taps=4, group=64, rank=16, top_k=8)
     random_dflash2_model(cfg, seed=0, std=0.05).save_pretrained(path)
     engine = Engine(dtype="float32", max_total_tokens=4096, speculative_algorithm="DFLASH",
-                    speculative_draft_model_path=str(path), speculative_adaptive=True, speculative_lookup=True)
+                    speculative_draft_model_path=str(path), speculative_adaptive=False, speculative_lookup=True)
     yield engine
     engine.shutdown()
 
