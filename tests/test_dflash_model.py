@@ -14,10 +14,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from sglang_dflash import Engine
+from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.config import ModelConfig
 from sglang_dflash.models.dflash import DFlashDraftModel, load_draft_model, random_draft_model
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.rotary import rope_at
+from sglang_dflash.speculative.dflash_step import DFlashStep, last_writes
+from sglang_dflash.speculative.policy import SpecOptions, SpecPolicy
 
 TARGET = tiny_target_config(vocab_size=32, hidden=32, layers=6)
 CPU = torch.device("cpu")
@@ -211,3 +214,54 @@ def test_one_gemm_materialisation_matches_per_layer(attention_bias: bool, seed: 
         assert want[:, out_cache_loc].abs().sum(dim=-1).gt(0).all()  # every row was written
         rel = (got - want).abs().max() / want.abs().max()
         assert rel < 1e-5, rel
+
+
+def test_deferred_materialisation_matches_eager_with_reused_slots():
+    """Steps' context K/V wait for one flush; a slot committed twice meanwhile (freed and reused) ends with
+    its last write, as writing each step at once would leave it; prefill materialises after what waits."""
+    cfg = draft_config()
+    model = randomise(DFlashDraftModel(cfg), seed=3)
+    model.prepare_inference(CPU)
+    g = torch.Generator().manual_seed(7)
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    # (slots, deferred?): slot 0 is the padding slot rejected drafts write to; 4 and 8 are reused
+    steps = [([3, 4, 5, 0, 0], True), ([6, 8], True), ([4, 9, 0], True), ([8, 10], False), ([11, 4], True)]
+    writes = [(torch.randn(len(s), width, generator=g), torch.randint(0, 60, (len(s),), generator=g),
+               torch.tensor(s), deferred) for s, deferred in steps]
+    pools = []
+    for lazy in (True, False):
+        pool = MHATokenToKVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+        step = DFlashStep(model, pool, SpecPolicy(SpecOptions(cfg.block_size), None))
+        with torch.inference_mode():
+            for features, positions, slots, deferred in writes:
+                (step.defer if lazy and deferred else step.materialize)(features, positions, slots)
+            if lazy:
+                assert pool.k_buffer[:, 11].abs().sum() == 0 and step.pending_tokens == 2  # the last step waits
+                step.flush()
+        assert not step.pending
+        pools.append(pool)
+    (lazy, eager) = pools
+    for got, want in ((lazy.k_buffer, eager.k_buffer), (lazy.v_buffer, eager.v_buffer)):
+        assert want[:, [3, 4, 5, 6, 8, 9, 10, 11]].abs().sum(dim=-1).gt(0).all()
+        torch.testing.assert_close(got[:, 1:], want[:, 1:], rtol=1e-5, atol=1e-6)
+
+
+def test_last_writes_keeps_only_the_last_write_of_each_slot():
+    """What keeps a flush right where parallel writes to one slot land in any order (GPU scatter, Triton)."""
+    slots = torch.tensor([3, 4, 5, 0, 0, 6, 8, 4, 9, 0, 8, 3])
+    assert last_writes(slots, 16).tolist() == [0, 0, 5, 0, 0, 6, 0, 4, 9, 0, 8, 3]
+
+
+def test_deferred_materialisation_flushes_at_its_cap():
+    cfg = draft_config()
+    model = randomise(DFlashDraftModel(cfg), seed=4)
+    model.prepare_inference(CPU)
+    pool = MHATokenToKVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+    step = DFlashStep(model, pool, SpecPolicy(SpecOptions(cfg.block_size), None))
+    step.max_pending_tokens = 4
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    with torch.inference_mode():
+        step.defer(torch.randn(3, width), torch.arange(3), torch.tensor([1, 2, 3]))
+        assert step.pending_tokens == 3 and pool.k_buffer[:, 1:4].abs().sum() == 0
+        step.defer(torch.randn(2, width), torch.arange(3, 5), torch.tensor([4, 5]))
+    assert step.pending_tokens == 0 and pool.k_buffer[:, 1:6].abs().sum(dim=-1).gt(0).all()

@@ -162,7 +162,7 @@ def test_concurrent_requests_equal_solo(servers, chat_texts, name):
     assert [o["output_ids"] for o in together] == [o["output_ids"] for o in solo]
 
 
-@pytest.mark.parametrize("name", SPEC_SERVERS)
+@pytest.mark.parametrize("name", SPEC_SERVERS[:1])  # the worker code is the same in both loops
 def test_chat_equals_no_speculation(servers, name):
     def chat(server: SGLangServer, prompt: str, stream: bool) -> str:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x")
@@ -179,7 +179,7 @@ def test_chat_equals_no_speculation(servers, name):
         assert chat(servers[name], prompt, stream=True) == expected
 
 
-@pytest.mark.parametrize("name", SPEC_SERVERS)
+@pytest.mark.parametrize("name", SPEC_SERVERS[:1])  # the worker code is the same in both loops
 def test_penalties_and_logit_bias_equal_no_speculation(servers, tokenizer, name):
     (hello,) = tokenizer.encode(" hello", add_special_tokens=False)
     cases = [
@@ -242,7 +242,7 @@ def test_shipped_drafter_accept_length(servers, model_dir, chat_texts):
         server.stop()
 
 
-@pytest.mark.parametrize("name", SPEC_SERVERS)
+@pytest.mark.parametrize("name", SPEC_SERVERS[:1])  # the worker code is the same in both loops
 def test_shared_system_prompt_equals_no_speculation(servers, tokenizer, name):
     """Requests sharing a system prompt: SGLang's radix cache gives the later ones the slots the first one
     filled, and our draft KV pool is indexed by those slots; outputs equal those with nothing cached."""

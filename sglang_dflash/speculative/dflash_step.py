@@ -5,7 +5,9 @@
 Per request the plan picks a source (DFlash, context lookup, or none) and a block length. DFlash rows run
 one draft forward over [bonus, MASK, ...]; lookup rows take their n-gram continuation; the target verifies
 every block in one forward; the committed rows' draft context K/V is materialised from the verify pass's
-captured features, so DFlash can resume at any step whatever the source was.
+captured features, so DFlash can resume at any step whatever the source was. That materialisation waits for
+the next draft forward (or prefill, or MAX_PENDING_TOKENS): steps without a draft forward (lookup or plain rows,
+most steps under load) do not pay for it, and the waiting steps' tokens go through one GEMM.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from sglang_dflash.speculative.accept import accept, point_masses
 from sglang_dflash.speculative.draft_block import DraftBlock
 from sglang_dflash.speculative.policy import DFLASH, LOOKUP, Plan, ReqSpecState, SpecPolicy
 
+MAX_PENDING_TOKENS = 2048  # committed tokens whose draft context K/V may wait (their features: ~6 KB each)
+
 
 class VerifyHost(Protocol):
     """What a host gives the step: the target's verify forward and the sampling of its requests."""
@@ -29,7 +33,8 @@ class VerifyHost(Protocol):
     def verify(self, block: DraftBlock) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward over every request's block -> (logits [T, V] with the host's logit adjustments
         (penalties, logit bias, grammar) applied, captured features [T, F]) of the T verified tokens, in
-        `block.rows` order (`block.verified` turns a host's padded [bs, W, ...] rows into these)."""
+        `block.rows` order (`block.verified` turns a host's padded [bs, W, ...] rows into these). The features
+        must stay as they are until a later step (no buffer a later forward overwrites)."""
         ...
 
     def sampling(self, block: DraftBlock) -> tuple[SamplingBatchInfo | None, torch.Tensor | None]:
@@ -53,6 +58,9 @@ class DFlashStep:
         self.draft_pool = draft_pool
         self.policy = policy
         self.unobserved: tuple[list[ReqSpecState], list[Plan], torch.Tensor] | None = None  # the last step
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (features, positions, slots)
+        self.pending_tokens = 0
+        self.max_pending_tokens = MAX_PENDING_TOKENS
 
     def plan(self, reqs: list, host_current: bool, limits: list[int]) -> tuple[list[ReqSpecState], list[Plan]]:
         """The policy's plan for the next step of the host's requests (anything with `spec_state`,
@@ -71,7 +79,30 @@ class DFlashStep:
 
     # ---- prefill and commit ----
     def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
-        """Draft context K/V of every draft layer for these tokens, from the target's captured features."""
+        """Draft context K/V of every draft layer for these tokens, from the target's captured features, now
+        (after the waiting ones: a slot freed and reused since is written in order)."""
+        self.flush()
+        self._write(features, positions, out_cache_loc)
+
+    def defer(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """`materialize`, at the next draft forward, prefill or MAX_PENDING_TOKENS at the latest."""
+        self.pending.append((features, positions, out_cache_loc))
+        self.pending_tokens += positions.shape[0]
+        if self.pending_tokens >= self.max_pending_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Writes the waiting draft context K/V in one GEMM. A slot committed twice meanwhile (freed, then
+        reused by another request) keeps its last write; the earlier ones go to the padding slot 0."""
+        if not self.pending:
+            return
+        features, positions, slots = (torch.cat(x) if len(self.pending) > 1 else x[0] for x in zip(*self.pending))
+        if len(self.pending) > 1:
+            slots = last_writes(slots, self.draft_pool.k_buffer.shape[1])
+        self.pending, self.pending_tokens = [], 0
+        self._write(features, positions, slots)
+
+    def _write(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         self.draft.materialize_context_kv(
             features, positions, out_cache_loc, self.draft_pool.k_buffer, self.draft_pool.v_buffer
         )
@@ -88,7 +119,7 @@ class DFlashStep:
         info, uniforms = host.sampling(block)
         accept_lens, next_bonus, out_tokens = accept(block, logits, info, uniforms, draft)
         committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
-        self.materialize(features, block.verified(block.positions), block.verified(committed_loc))
+        self.defer(features, block.verified(block.positions), block.verified(committed_loc))
         self.unobserved = (states, plans, accept_lens)
         return StepOutput(accept_lens, next_bonus, out_tokens, seq_lens + accept_lens + 1, block_lens, plans)
 
@@ -137,6 +168,7 @@ class DFlashStep:
         [bonus, MASK, ...]. Each block writes its own K/V into its slots (rewritten by context K/V once
         committed). `sampling` (temperatures [n], 0 = greedy; uniforms [n, W - 1]) samples a DFlash 2 drafter's
         paths; then (drafts, (candidate ids, q) [n, W - 1, K]) is returned."""
+        self.flush()  # the draft forward reads the context K/V
         blk = DraftBlock.build(req_to_token, req_pool_indices, seq_lens, bonus, block_lens)
         n, width = blk.candidates.shape
         input_ids = block_input_ids(bonus, width, self.draft.config.mask_token_id)
@@ -147,3 +179,11 @@ class DFlashStep:
         )
         drafts, dist = self.draft.propose(hidden.view(n, width, -1)[:, 1:], bonus, *(sampling or (None, None)))
         return drafts if sampling is None else (drafts, dist)
+
+
+def last_writes(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """slots [N] with every write but the last to each slot sent to slot 0 (no host sync)."""
+    order = torch.arange(slots.shape[0], device=slots.device)
+    last = torch.full((num_slots,), -1, dtype=torch.int64, device=slots.device)
+    last.scatter_reduce_(0, slots, order, "amax")
+    return torch.where(last[slots] == order, slots, 0)

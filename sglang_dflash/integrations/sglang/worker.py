@@ -233,7 +233,8 @@ class DFlashSGLangWorker(BaseSpecWorker):
         logits = logits_output.next_token_logits  # [bs * W, V]
         self.adjust_logits(batch, logits, block.req_pool_indices, block.candidates, block.seq_lens, grammar_barrier)
         self.verify_output = (logits_output, out.can_run_cuda_graph)
-        return block.verified(logits.view(bs, width, -1)), block.verified(features.view(bs, width, -1))
+        # the features wait for the next draft forward: copied out of buffers a CUDA graph replay reuses
+        return block.verified(logits.view(bs, width, -1)), block.verified(features.view(bs, width, -1)).clone()
 
     def sampling(self, block: DraftBlock) -> tuple[SamplingBatchInfo | None, torch.Tensor | None]:
         info = self.verifying[0].sampling_info
