@@ -4,14 +4,16 @@ From timed forwards of the real target and drafter on the actual device at start
 request, short context; piecewise-linear in the tokens), then corrected online from measured steps by least
 squares that forget old steps:
 
-    seconds ~ a * verify(R) + b * (verify(T) - verify(R)) + e * (T - R) + c * draft(D)
+    seconds ~ a * verify(R) + b * (verify(T) - verify(R)) + e * (T - R) + g * tiles(R, T) + c * draft(D)
 
 R the requests, T the verify tokens, D the draft tokens. `a` scales the calibrated forward of R tokens to what a
 real batch of R requests costs (attention over long contexts, host work); `b` the calibrated cost of the
 speculative verify tokens (the GEMMs: on a CPU their cost steps up where the token count crosses a tile
 boundary, e.g. 32 -> 33, which the calibration sees); `e` what each such token adds beyond it in a real batch
-(attention over its request's context: ~0.5-1.5 ms on a 2-core CPU at 300-700 positions); `c` the draft
-forward's share. Priors a = b = c = 1, e = 0.
+(attention over its request's context: ~0.5-1.5 ms on a 2-core CPU at 300-700 positions); `g` what each
+TILE_ROWS-row tile the speculative tokens start adds in a real batch beyond the calibration's step (measured at 32
+requests and 400 positions: 33 rows +9% over 32, the next rows ~1 ms each; the calibration's own 32 -> 33 step is
+a few ms); `c` the draft forward's share. Priors a = b = c = 1, e = g = 0.
 """
 
 from __future__ import annotations
@@ -35,32 +37,35 @@ PRIOR_WEIGHT = 0.2  # the prior (a = b = c = 1, e = 0) counts as this many steps
 TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
 PROBE_TOKENS = (1, 16)  # verify sizes timed at start-up to check a cached calibration ...
 STALE = 1.3  # ... which is redone when off by more than this factor
-LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0])  # a, c, b, e: more tokens never cost less
+TILE_ROWS = 16  # the row tile of a CPU GEMM (oneDNN); where the tiles do not step the cost, g stays 0
+LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0, 0.0])  # a, c, b, e, g: more tokens never cost less
 
 
 class CostModel:
     def __init__(self, verify: dict[int, float], draft: dict[int, float]):
         self.verify_points = _monotone(verify)
         self.draft_points = _monotone(draft)
-        self.coef = np.array([1.0, 1.0, 1.0, 0.0])  # a, c, b, e
+        self.coef = np.array([1.0, 1.0, 1.0, 0.0, 0.0])  # a, c, b, e, g
         # the prior weighs as PRIOR_WEIGHT steps of typical features, and never fades
         spec = self.calibrated(1 + TYPICAL_SPEC_TOKENS, 0) - self.calibrated(1, 0)
-        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], spec, float(TYPICAL_SPEC_TOKENS)])
+        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], spec, float(TYPICAL_SPEC_TOKENS), 1.0])
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
         self.prior_xy = self.prior_xx @ self.coef
-        self.xx = np.zeros((4, 4))
-        self.xy = np.zeros(4)
-        self.held = (False,) * 4  # the coefficients at their lower bounds in the last fit
+        self.xx = np.zeros((5, 5))
+        self.xy = np.zeros(5)
+        self.held = (False,) * 5  # the coefficients at their lower bounds in the last fit
 
     def features(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
-        """[..., 4]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
-        forward), calibrated verify time of the speculative tokens (those beyond one per request), their count."""
+        """[..., 5]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
+        forward), calibrated verify time of the speculative tokens (those beyond one per request), their count,
+        the GEMM row tiles they start."""
         verify_tokens, draft_tokens = np.asarray(verify_tokens, np.float64), np.asarray(draft_tokens, np.float64)
         requests = np.broadcast_to(np.asarray(requests, np.float64), verify_tokens.shape)
         base = _interp(self.verify_points, requests)
         draft = np.where(draft_tokens > 0, _interp(self.draft_points, draft_tokens), 0.0)
         spec = _interp(self.verify_points, verify_tokens) - base
-        return np.stack([base, draft, spec, verify_tokens - requests], axis=-1)
+        tiles = np.ceil(verify_tokens / TILE_ROWS) - np.ceil(requests / TILE_ROWS)
+        return np.stack([base, draft, spec, verify_tokens - requests, tiles], axis=-1)
 
     def calibrated(self, verify_tokens: int, draft_tokens: int) -> float:
         """The calibration's time of one request verifying `verify_tokens` (+ a draft forward)."""
@@ -77,7 +82,7 @@ class CostModel:
         return self.features(verify_tokens, draft_tokens, requests) @ self.coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
-        """One measured step: refit (a, c, b, e) within LOWER_BOUNDS."""
+        """One measured step: refit (a, c, b, e, g) within LOWER_BOUNDS."""
         if seconds <= 0:
             return
         x = self.features(verify_tokens, draft_tokens, requests)
