@@ -33,7 +33,7 @@ import numpy as np
 # step, so the first speculative token of a batch of 32 is priced at the step it costs
 CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 256, 512)
 FORGET = 0.99  # weight of the past in the online fit, per observed step
-PRIOR_WEIGHT = 0.2  # the prior (a = b = c = 1, e = 0) counts as this many steps
+PRIOR_WEIGHT = 0.2  # the prior (a = b = c = 1, e = g = 0) counts as this many steps
 TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
 PROBE_TOKENS = (1, 16)  # verify sizes timed at start-up to check a cached calibration ...
 STALE = 1.3  # ... which is redone when off by more than this factor
