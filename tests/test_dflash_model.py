@@ -216,22 +216,31 @@ def test_one_gemm_materialisation_matches_per_layer(attention_bias: bool, seed: 
         assert rel < 1e-5, rel
 
 
+def deferring_step(model: DFlashDraftModel) -> tuple[DFlashStep, MHATokenToKVPool]:
+    """A DFlash step over a fresh 16-slot draft pool (no policy: only its materialisation is used)."""
+    cfg = model.config
+    pool = MHATokenToKVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+    return DFlashStep(model, pool, SpecPolicy(SpecOptions(cfg.block_size), None)), pool
+
+
+def feature_width(cfg: DFlashConfig) -> int:
+    return len(cfg.target_layer_ids) * cfg.hidden_size
+
+
 def test_deferred_materialisation_matches_eager_with_reused_slots():
     """Steps' context K/V wait for one flush; a slot committed twice meanwhile (freed and reused) ends with
     its last write, as writing each step at once would leave it; prefill materialises after what waits."""
-    cfg = draft_config()
-    model = randomise(DFlashDraftModel(cfg), seed=3)
+    model = randomise(DFlashDraftModel(draft_config()), seed=3)
     model.prepare_inference(CPU)
     g = torch.Generator().manual_seed(7)
-    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    width = feature_width(model.config)
     # (slots, deferred?): slot 0 is the padding slot rejected drafts write to; 4 and 8 are reused
     steps = [([3, 4, 5, 0, 0], True), ([6, 8], True), ([4, 9, 0], True), ([8, 10], False), ([11, 4], True)]
     writes = [(torch.randn(len(s), width, generator=g), torch.randint(0, 60, (len(s),), generator=g),
                torch.tensor(s), deferred) for s, deferred in steps]
     pools = []
     for lazy in (True, False):
-        pool = MHATokenToKVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
-        step = DFlashStep(model, pool, SpecPolicy(SpecOptions(cfg.block_size), None))
+        step, pool = deferring_step(model)
         with torch.inference_mode():
             for features, positions, slots, deferred in writes:
                 (step.defer if lazy and deferred else step.materialize)(features, positions, slots)
@@ -253,13 +262,11 @@ def test_last_writes_keeps_only_the_last_write_of_each_slot():
 
 
 def test_deferred_materialisation_flushes_at_its_cap():
-    cfg = draft_config()
-    model = randomise(DFlashDraftModel(cfg), seed=4)
+    model = randomise(DFlashDraftModel(draft_config()), seed=4)
     model.prepare_inference(CPU)
-    pool = MHATokenToKVPool(16, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
-    step = DFlashStep(model, pool, SpecPolicy(SpecOptions(cfg.block_size), None))
+    step, pool = deferring_step(model)
     step.max_pending_tokens = 4
-    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    width = feature_width(model.config)
     with torch.inference_mode():
         step.defer(torch.randn(3, width), torch.arange(3), torch.tensor([1, 2, 3]))
         assert step.pending_tokens == 3 and pool.k_buffer[:, 1:4].abs().sum() == 0

@@ -96,8 +96,10 @@ class DFlashStep:
         reused by another request) keeps its last write; the earlier ones go to the padding slot 0."""
         if not self.pending:
             return
-        features, positions, slots = (torch.cat(x) if len(self.pending) > 1 else x[0] for x in zip(*self.pending))
-        if len(self.pending) > 1:
+        if len(self.pending) == 1:
+            (features, positions, slots), = self.pending
+        else:
+            features, positions, slots = (torch.cat(x) for x in zip(*self.pending))
             slots = last_writes(slots, self.draft_pool.k_buffer.shape[1])
         self.pending, self.pending_tokens = [], 0
         self._write(features, positions, slots)
