@@ -92,16 +92,21 @@ def test_bf16_model_close_to_float32(hf_model, prompt64, forward_tokens, rel_err
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() > 0.85
 
 
-@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU")
-def test_packed_linear_matches_linear():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_linear_matches_linear(dtype, tol):
+    if not can_pack(torch.device("cpu"), dtype):
+        pytest.skip(f"no oneDNN {dtype} on this CPU")
     torch.manual_seed(0)
-    lin = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    lin = nn.Linear(96, 160, bias=True).to(dtype)
     packed = PackedLinear(lin, keep_weight=True)
     for m in (1, 3, 17, 80):
-        x = torch.randn(m, 96, dtype=torch.bfloat16)
-        ref = nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
-        assert (packed(x).float() - ref).abs().max() <= 2e-2 * ref.abs().max()
-    x = torch.randn(2, 96, dtype=torch.bfloat16, requires_grad=True)  # autograd falls back to the plain weight
+        x = torch.randn(m, 96, dtype=dtype)
+        ref = nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+        assert (packed(x).double() - ref).abs().max() <= tol * ref.abs().max()
+    wide = torch.randn(2, 5, 192, dtype=dtype)[..., ::2]  # non-contiguous, 3-d
+    ref = nn.functional.linear(wide.double(), lin.weight.double(), lin.bias.double())
+    assert (packed(wide).double() - ref).abs().max() <= tol * ref.abs().max()
+    x = torch.randn(2, 96, dtype=dtype, requires_grad=True)  # autograd falls back to the plain weight
     packed(x).sum().backward()
     assert torch.allclose(x.grad.float(), lin.weight.float().sum(0).expand(2, -1), rtol=1e-2, atol=1e-2)
     with pytest.raises(RuntimeError, match="inference-only"):

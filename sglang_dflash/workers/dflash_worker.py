@@ -119,7 +119,7 @@ class DFlashWorker:
     def cost_model(self, server_args: ServerArgs, drafter_path: str) -> CostModel:
         """Calibrated once per device, model, drafter, dtype and thread count (cached on disk)."""
         runner = self.target.model_runner
-        key = {"calibration": 4, "device": str(self.device), "model": str(runner.model_dir),
+        key = {"calibration": 5, "device": str(self.device), "model": str(runner.model_dir),
                "drafter": str(drafter_path), "dtype": str(runner.dtype), "threads": torch.get_num_threads(),
                "block": self.block_size, "cpu": platform.processor() or platform.machine()}
         max_tokens = min(256, server_args.max_running_requests * self.block_size, runner.max_total_tokens,
