@@ -36,7 +36,7 @@ def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monk
     """Whatever the layout (the longest blocks padded as one group, every other token a 1-token row): equal
     to per-request attention."""
     if LAYOUTS[layout] is not None:
-        monkeypatch.setattr(attention, "GROUP_COST", LAYOUTS[layout][0])
+        monkeypatch.setattr(attention, "GROUP_COST", dict.fromkeys((2, 4), LAYOUTS[layout][0]))
         monkeypatch.setattr(attention, "PADDED_POSITION_COST", LAYOUTS[layout][1])
     gen = torch.Generator().manual_seed(seed)
     bs = int(torch.randint(1, 7, (1,), generator=gen))
@@ -53,7 +53,7 @@ def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monk
     q = torch.randn(sum(ext_lens), NH, 2 * HD, generator=gen)[:, :, ::2]  # non-contiguous
     backend = TorchNativeAttnBackend(NKV, HD)
     meta = backend.init_forward_metadata(fb, req_to_token, torch.float32)
-    padded = attention.padded_rows(ext_lens, fb.max_seq_len)
+    padded = attention.padded_rows(ext_lens, fb.max_seq_len, attention.group_cost(torch.float32))
     assert len(meta.groups) == (2 if 0 < len(padded) < bs else 1)
     if layout == "single-rows":  # only prefill-long rows are padded
         assert padded == [i for i, n in enumerate(ext_lens) if n > attention.SMALL_Q]
@@ -70,3 +70,11 @@ def test_layout_pads_long_blocks_and_spreads_short_ones():
     assert attention.padded_rows([16] * 4 + [1] * 12, 300) == [0, 1, 2, 3]
     assert attention.padded_rows([16] * 16, 300) == list(range(16))
     assert attention.padded_rows([1, 70, 2], 100) == [1]  # a prefill chunk always pads (SDPA)
+
+
+def test_float32_layout_pads_short_blocks_sooner():
+    """A second group costs fewer K/V positions in float32 (a row moves twice the bytes): four 3-token blocks
+    among 28 decode rows at ~225 positions pad there, and run as 1-token rows in bf16."""
+    lens = [1] * 28 + [3] * 4
+    assert attention.padded_rows(lens, 225, attention.group_cost(torch.float32)) == [28, 29, 30, 31]
+    assert attention.padded_rows(lens, 225, attention.group_cost(torch.bfloat16)) == []

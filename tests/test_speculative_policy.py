@@ -11,6 +11,7 @@ import pytest
 from sglang_dflash.speculative.cost_model import LOWER_BOUNDS, CostModel, _bounded_solve, load_or_calibrate
 from sglang_dflash.speculative.lookup import NgramIndex
 from sglang_dflash.speculative.policy import (
+    CHECK_EVERY,
     DFLASH,
     EXPLORE_BUDGET,
     EXPLORE_EVERY,
@@ -246,3 +247,25 @@ def test_exploration_spends_at_most_its_budget():
     assert exploring_steps >= 3
     saved_up = EXPLORE_BUDGET * EXPLORE_EVERY * EXPLORE_SLOWEST * cost.step_time(32, 0, 32)
     assert spent <= EXPLORE_BUDGET * total + saved_up
+
+
+def test_marginal_speculation_keeps_measuring_plain_steps():
+    """A compute-bound step (a verify token costs nearly a decode row) and a drafter whose drafts are all accepted:
+    at 32 requests the best plan promises ~1.1x the plain rows' rate, so one step in CHECK_EVERY runs plain rows
+    (the cost model keeps measuring what it compares against); one request, whose long blocks pay ~10x, never
+    does."""
+    for bs, want_plain in ((32, True), (1, False)):
+        policy = SpecPolicy(SpecOptions(16, lookup=False), CostModel({1: 1.0, 32: 10.0, 64: 18.0, 512: 140.0},
+                                                                     {16: 0.1, 512: 1.0}))
+        policy.prior[DFLASH] = [0.99] * 15
+        states = [policy.new_state() for _ in range(bs)]
+        plain_steps = []
+        for step in range(4 * CHECK_EVERY):
+            plans = policy.plan(states, None, [16] * bs)
+            if all(p.source == NONE for p in plans):
+                plain_steps.append(step)
+            policy.observe(states, plans, [p.block_len - 1 for p in plans])
+        if want_plain:
+            assert plain_steps == list(range(CHECK_EVERY - 1, 4 * CHECK_EVERY, CHECK_EVERY))
+        else:
+            assert plain_steps == [] and plans[0].block_len == 16

@@ -13,10 +13,11 @@ from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 # Up to this many query tokens per request, two small GEMMs + softmax beat CPU SDPA (up to 15x in bf16).
 SMALL_Q = 64
-# Layout costs, in K/V positions gathered or scored per layer (measured on a 2-core CPU, bf16, 30 layers): a
-# 1-token row costs its max_kv; a padded query position about half that; a second group a fixed ~8 ms a step,
-# what ~8 rows of 320 positions cost.
-GROUP_COST = 2560
+# Layout costs, in K/V positions gathered or scored per layer: a 1-token row costs its max_kv; a padded query
+# position about half that; a second group a fixed ~5-8 ms a step. By K/V element size: in bf16 (a 2-core AMX CPU,
+# 30 layers) the group costs what ~8 rows of 320 positions cost; in float32 (a 2-core AVX2 CPU, where a row moves
+# twice the bytes) ~600 positions (a least-squares fit over 48 layouts of 16-40 rows at 150-600 positions).
+GROUP_COST = {2: 2560, 4: 600}
 PADDED_POSITION_COST = 0.5
 
 
@@ -52,7 +53,8 @@ class TorchNativeAttnBackend:
         1-token row over its own causal prefix (its K/V is in the pool before attention), so a few short
         blocks among decode rows cost a few rows, not a second group padded to the longest block."""
         lens = fb.extend_seq_lens_cpu
-        if max(lens) == 1 or min(lens) == max(lens) or len(padded := padded_rows(lens, fb.max_seq_len)) == len(lens):
+        if (max(lens) == 1 or min(lens) == max(lens)
+                or len(padded := padded_rows(lens, fb.max_seq_len, group_cost(dtype))) == len(lens)):
             rows = (fb.req_pool_indices, fb.extend_prefix_lens, fb.seq_lens)
             return GroupedMetadata([(None, self._metadata(fb, rows, lens, req_to_token, dtype))])
         token_rows = torch.repeat_interleave(fb.req_pool_indices, fb.extend_seq_lens, output_size=len(fb.positions))
@@ -155,7 +157,12 @@ def _gemm_attention(
     return out if nq == 1 else out.view(bs, nkv, g, nq, hd).permute(0, 3, 1, 2, 4)
 
 
-def padded_rows(lens: list[int], max_kv: int) -> list[int]:
+def group_cost(dtype: torch.dtype) -> int:
+    """GROUP_COST for K/V of this dtype (the bf16 figure for other sizes)."""
+    return GROUP_COST.get(dtype.itemsize, GROUP_COST[2])
+
+
+def padded_rows(lens: list[int], max_kv: int, group: int = GROUP_COST[2]) -> list[int]:
     """The rows (sorted) that attend as a padded group: the k longest, k chosen by the layout costs above.
     Rows longer than SMALL_Q (prefill chunks, for SDPA) are always padded; 1-token rows never are."""
     order = sorted((i for i, n in enumerate(lens) if n > 1), key=lambda i: -lens[i])
@@ -167,7 +174,7 @@ def padded_rows(lens: list[int], max_kv: int) -> list[int]:
             singles -= lens[order[k - 1]]
         cost = singles * max_kv
         if k:
-            cost += k * lens[order[0]] * PADDED_POSITION_COST * max_kv + (GROUP_COST if singles else 0)
+            cost += k * lens[order[0]] * PADDED_POSITION_COST * max_kv + (group if singles else 0)
         if best_cost is None or cost < best_cost:
             best, best_cost = k, cost
     return sorted(order[:best])

@@ -35,6 +35,8 @@ EXPLORE_BUDGET = 0.01  # exploring steps may add at most this share of the predi
 # exploring rows costs ~70% of a step on a 2-core CPU: every 32 steps that would be 2%)
 REALISED_DECAY = 0.99  # per verified proposal, in the shared ratio of accepted to expected drafts per source
 REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted)
+CHECK_EVERY = 16  # a batch whose best plan promises under CHECK_GAIN x the plain rows' rate runs plain rows ...
+CHECK_GAIN = 1.25  # ... once in this many steps, so the cost model keeps measuring what it compares against
 LOOKUP_PRIOR = {2: 0.55, 3: 0.65}  # initial acceptance of a lookup proposal by match length (0.8 beyond):
 # measured on held-out greedy responses (data/responses), n = 2: 0.56 0.69 0.78, n = 4: 0.95 0.95 0.98
 
@@ -97,6 +99,7 @@ class SpecPolicy:
         # at 32 requests: 2-gram lookups 0.62 expected, 0.47 accepted); the gains are scaled by the ratio
         self.realised = {key: [REALISED_PRIOR, REALISED_PRIOR] for key in self.prior}
         self.explore_credit = 0.0  # predicted seconds exploring may still spend (EXPLORE_BUDGET of each step's)
+        self.since_plain = 0  # steps since the last one of plain rows only
 
     def new_state(self) -> ReqSpecState:
         o = self.options
@@ -121,7 +124,12 @@ class SpecPolicy:
         dflash_gains = [self.gains(st, DFLASH, lim - 1) for st, lim in zip(states, limits)]
         best = self._best(lookups, lookup_gains, None)
         with_draft = self._best(lookups, lookup_gains, dflash_gains)
-        plans = max(best, with_draft, key=lambda x: x[0])[1]
+        rate, plans = max(best, with_draft, key=lambda x: x[0])
+        plain_rate = len(states) / self.cost.step_time(len(states), 0, len(states))
+        self.since_plain = 0 if all(p.source == NONE for p in plans) else self.since_plain + 1
+        if self.since_plain >= CHECK_EVERY and rate < CHECK_GAIN * plain_rate:
+            self.since_plain = 0
+            return [Plan(NONE, 1) for _ in states]
         return self._explore(states, limits, plans)
 
     def gains(self, state: ReqSpecState, key: str, n: int) -> list[float]:
