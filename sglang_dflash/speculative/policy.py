@@ -11,7 +11,9 @@ requests on a CPU an exploring step costs ~1.7 plain ones). Extending request i'
 prod_{k<=b} p_ik expected committed tokens; a step's cost comes from a cost model of the verify tokens
 and the draft forward (`CostModel`). The plan takes the expected-gain-sorted extensions while they raise
 expected tokens per second, for a batch with and without a draft forward, and keeps the better one.
-B = 1 is a plain decode row: a request whose proposals do not pay costs what plain decoding costs.
+B = 1 is a plain decode row: a request whose proposals do not pay costs what plain decoding costs. Where the best
+plan promises little over plain rows, one step in CHECK_EVERY runs plain rows, so the cost model's online fit keeps
+measuring the step it compares against.
 """
 
 from __future__ import annotations
