@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sglang_dflash.device import HostCopy
 from sglang_dflash.runtime.forward_batch import ForwardMode
 from sglang_dflash.runtime.tokenizer import IncrementalDetokenizer
 from sglang_dflash.sampling.sampling_params import SamplingParams
@@ -179,10 +180,14 @@ class GenerationBatchResult:
     accept_lens: torch.Tensor | None = None
     block_sizes: list[int] | None = None
     plans: list | None = None  # the speculative plan of each request (source, block length)
+    host_tokens: HostCopy = field(init=False)  # out_tokens on their way to the host, started with the step
+
+    def __post_init__(self) -> None:
+        self.host_tokens = HostCopy(self.out_tokens)
 
     def resolve(self) -> tuple[list[list[int]], list[int] | None]:
         """(tokens per request, accepted drafts per request) on the host: the one sync point (a speculative row
         holds its accepted drafts and the next bonus, so the accepted count is its token count - 1)."""
-        rows = self.out_tokens.tolist()
+        rows = self.host_tokens.wait().tolist()
         tokens = [[t for t in row if t >= 0] for row in rows]
         return tokens, None if self.accept_lens is None else [len(t) - 1 for t in tokens]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
@@ -54,7 +54,6 @@ class Scheduler:
         self.num_retractions = 0
         self.finished_by_error: list[Req] = []
         self.enable_overlap = enable_overlap
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="device")  # its thread starts on first use
         self.in_flight: tuple[ScheduleBatch, Future] | None = None
         self.launched = 0  # batches launched / completed, to know when freed memory is safe to reuse
         self.completed = 0
@@ -284,7 +283,9 @@ class Scheduler:
         return touched + (self.process_batch_result(batch, result) if batch is not None else [])
 
     def step_overlap(self) -> list[Req]:
-        """Spec-V2 style: launch batch N on the device thread, then process batch N-1 meanwhile."""
+        """Spec-V2 style: launch batch N, then process batch N-1 while the device runs N. A decode step makes no
+        host-device sync (its one wait is N-1's result read, here), so on an asynchronous device the launch
+        returns once N's work is queued; on the CPU it runs N to the end first (one thread, one thread team)."""
         self.finished_by_error = []
         needs_history = any(r.sampling_params.has_penalties for r in self.running)
         batch = None if (needs_history and self.in_flight) else self.get_next_batch_to_run()
@@ -292,8 +293,7 @@ class Scheduler:
         if batch is not None:
             batch.host_current = self.in_flight is None
             self.launched += 1
-            # isolated on the device thread, in launch order: a request that breaks the batch fails alone
-            launched = (batch, self.executor.submit(forward_isolated, self.worker, batch))
+            launched = (batch, launch(self.worker, batch))  # a request that breaks the batch fails alone
         touched = list(self.finished_by_error)
         prev, self.in_flight = self.in_flight, launched
         if prev is not None:
@@ -343,8 +343,16 @@ class Scheduler:
         self.free_completed()
         return touched
 
-    def shutdown(self) -> None:
-        self.executor.shutdown(wait=True)
+
+
+def launch(worker: Worker, batch: ScheduleBatch) -> Future:
+    """Runs `batch` (queues its work on an asynchronous device); its outcome, or its error, when processed."""
+    future: Future = Future()
+    try:
+        future.set_result(forward_isolated(worker, batch))
+    except Exception as e:  # noqa: BLE001 - raised where the batch is processed, as a device error would be
+        future.set_exception(e)
+    return future
 
 
 def record_spec_step(req: Req, accepted: int, block_size: int, source: str) -> None:

@@ -1,7 +1,8 @@
 """Speculative decoding benchmark: AR and DFLASH modes side by side on the same target, greedy, batch 1.
 
 Modes: ar; fixed16 / fixed4 (DFlash proposals, fixed block); adaptive (per-step block size, DFlash only);
-default (adaptive + context lookup, the engine's defaults). Reports tau (per request the mean committed
+default (adaptive + context lookup, the engine's defaults); ar_overlap / default_overlap (the overlap loop, the
+GPU default, forced on). Reports tau (per request the mean committed
 tokens per verify step, then the mean over requests), the acceptance histogram, the share of steps per
 proposal source, decode tokens/s (prefill excluded: timed from the first streamed token) and the ratio
 to AR; writes JSON and a PNG of tokens/s per mode.
@@ -126,13 +127,19 @@ def resolve_draft(arg: str | None, oracle: bool, model_path: str | None, tmp: Pa
 
 
 
-MODES = {
-    "ar": None,
-    "fixed16": {"speculative_num_draft_tokens": 16, "speculative_adaptive": False, "speculative_lookup": False},
-    "fixed4": {"speculative_num_draft_tokens": 4, "speculative_adaptive": False, "speculative_lookup": False},
-    "adaptive": {"speculative_adaptive": True, "speculative_lookup": False},
-    "default": {},
+OVERLAP = {"disable_overlap_schedule": False}  # the overlap loop (the GPU default), forced on
+MODES = {  # mode: (algorithm, engine options)
+    "ar": ("NONE", {}),
+    "fixed16": ("DFLASH", {"speculative_num_draft_tokens": 16, "speculative_adaptive": False,
+                           "speculative_lookup": False}),
+    "fixed4": ("DFLASH", {"speculative_num_draft_tokens": 4, "speculative_adaptive": False,
+                          "speculative_lookup": False}),
+    "adaptive": ("DFLASH", {"speculative_adaptive": True, "speculative_lookup": False}),
+    "default": ("DFLASH", {}),
+    "ar_overlap": ("NONE", OVERLAP),
+    "default_overlap": ("DFLASH", OVERLAP),
 }
+DEFAULT_MODES = ["ar", "fixed16", "fixed4", "adaptive", "default"]
 
 
 def main() -> None:
@@ -142,7 +149,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model-path", default=None, help="target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft", default=None, help="drafter directory, or 'random' (default: the shipped drafter)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {list(MODES)}")
     ap.add_argument("--oracle", type=float, default=None, metavar="ERROR_RATE",
                     help="DFlash proposes the AR continuation, each token wrong with this probability (draft runs)")
     ap.add_argument("--ar-prompts", type=int, default=None,
@@ -167,9 +174,9 @@ def main() -> None:
         draft, label = resolve_draft(args.draft, args.oracle is not None, args.model_path, Path(tmp))
         engines = {}
         for mode in ["ar"] + [m for m in modes if m != "ar"]:
-            spec = {} if MODES[mode] is None else {"speculative_algorithm": "DFLASH",
-                                                   "speculative_draft_model_path": str(draft), **MODES[mode]}
-            engines[mode] = Engine(**common, **spec)
+            algorithm, options = MODES[mode]
+            drafter = {"speculative_draft_model_path": str(draft)} if algorithm == "DFLASH" else {}
+            engines[mode] = Engine(**common, speculative_algorithm=algorithm, **drafter, **options)
         ar = engines["ar"]
         ids = [ar.tokenizer_manager.chat_ids([{"role": "user", "content": p}]) for p in prompts]
         for engine in engines.values():
@@ -177,9 +184,10 @@ def main() -> None:
         oracles = {}
         if args.oracle is not None:  # the AR outputs first: the oracle proposes them
             runs["ar"] = [run_timed(ar, x, params) for x in ids]
-            vocab = engines[modes[-1]].scheduler.worker.step.draft.config.vocab_size
+            drafting = [m for m in engines if MODES[m][0] == "DFLASH"]
+            vocab = engines[drafting[0]].scheduler.worker.step.draft.config.vocab_size
             oracles = {m: OracleDrafter(ids, [r["output_ids"] for r in runs["ar"]], vocab, args.oracle, seed=0)
-                       for m in engines if m != "ar"}
+                       for m in drafting}
         # modes interleaved prompt by prompt, so drifts of this machine's speed hit them all alike
         for i, x in enumerate(ids):
             for mode, engine in engines.items():

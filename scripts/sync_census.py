@@ -1,6 +1,7 @@
-"""The blocking host-device operations of one decode step, AR and DFLASH (fixed blocks of 16, a random drafter),
-greedy and sampled, batch 1 and 8: counted by instrumentation (`sglang_dflash.sync_census`, any device) and, on
-CUDA, by torch's own sync debug mode as well. Prints a table and writes JSON (gpu_check.sh runs it).
+"""The blocking host-device operations per decode step: AR, DFLASH in fixed blocks of 16 and DFLASH with its defaults
+(adaptive blocks, context lookup), a random drafter; greedy, sampled and with penalties; batch 1 and 8; counted by
+instrumentation (`sglang_dflash.sync_census`, any device) and, on CUDA, by torch's own sync debug mode as well.
+Prints a table and writes JSON (gpu_check.sh runs it).
 
   python scripts/sync_census.py --device cuda --out runs/sync_census.json
 """
@@ -18,7 +19,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from dflash_helpers import census_engine, decode_step_census  # noqa: E402
+from dflash_helpers import CENSUS_ENGINES, CENSUS_SAMPLING, census_engine, decode_step_census  # noqa: E402
+
+STEPS = 4
 
 
 @contextmanager
@@ -40,18 +43,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("sync_census.json"))
     args = ap.parse_args()
     rows = []
-    for algorithm in ("NONE", "DFLASH"):
-        engine = census_engine(algorithm, args.device)
-        for sampled in (False, True):
+    for name in CENSUS_ENGINES:
+        engine = census_engine(name, args.device)
+        for sampling in CENSUS_SAMPLING:
             for batch in (1, 8):
                 reported: list[int] = []
                 around = torch_sync_debug(reported) if torch.device(args.device).type == "cuda" else None
-                census = decode_step_census(engine, batch, sampled, around)
-                rows.append({"algorithm": algorithm, "sampled": sampled, "batch": batch, "count": census.count,
-                             "torch_reported": reported[0] if reported else None,
+                census = decode_step_census(engine, batch, sampling, around, steps=STEPS)
+                rows.append({"engine": name, "sampling": sampling, "batch": batch, "steps": STEPS,
+                             "count": census.count, "torch_reported": reported[0] if reported else None,
                              "sites": [{"kind": k, "site": s, "n": n} for (k, s), n in census.by_site().items()]})
                 r = rows[-1]
-                print(f"{algorithm:6s} {'sampled' if sampled else 'greedy ':7s} batch {batch}: {r['count']:3d} "
+                print(f"{name:15s} {sampling:9s} batch {batch}: {r['count']:3d} in {STEPS} steps "
                       f"(torch: {r['torch_reported']})  " + ", ".join(f"{x['site']} {x['kind']} x{x['n']}"
                                                                       for x in r["sites"]))
         engine.shutdown()

@@ -52,6 +52,41 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(device.type, index)
 
 
+def upload(data: list | torch.Tensor, dtype: torch.dtype, device: DeviceLike) -> torch.Tensor:
+    """Host data (a list or a CPU tensor) on `device` without making the host wait: on an accelerator it is
+    staged in pinned memory and copied non-blocking, in stream order (torch's caching host allocator keeps the
+    staging buffer until the copy has run); on the CPU it is built in place. The one way host data reaches the
+    device inside a step (the sync census counts every other upload)."""
+    host = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor copied to host memory without waiting: pinned and non-blocking on an accelerator, an event
+    recorded after the copy. `ready()` tells whether it landed (never blocks); `wait()` blocks until it has (the
+    host-device sync point) and returns the host tensor. On the CPU the copy is a clone and always ready."""
+
+    def __init__(self, tensor: torch.Tensor):
+        backend = _backend(tensor.device)
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=backend is not None)
+        self.host.copy_(tensor, non_blocking=True)
+        self.host.is_host_copy = True  # the sync census does not count reads of it: it lives on the host
+        self.event = None
+        if backend is not None:
+            self.event = backend.Event()
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 def synchronize(device: DeviceLike) -> None:
     backend = _backend(device)
     if backend is not None:

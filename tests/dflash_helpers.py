@@ -281,24 +281,30 @@ def save_standin_target(path: Path, num_layers: int = 30, seed: int = 0) -> Path
     return path
 
 
-def census_engine(algorithm: str, device: str = TEST_DEVICE) -> Engine:
-    """The sync census's engines: AR, or DFLASH with the random drafter in fixed blocks of 16 (every row drafts,
-    so a step's count does not depend on the plan)."""
-    dflash = {"speculative_draft_model_path": str(random_drafter_path()), "speculative_adaptive": False,
-              "speculative_lookup": False}
-    return Engine(device=device, model_path=target_model_path(), speculative_algorithm=algorithm,
+CENSUS_ENGINES = ("NONE", "DFLASH", "DFLASH-adaptive")
+CENSUS_SAMPLING = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.8},
+                   "penalties": {"temperature": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.2}}
+
+
+def census_engine(name: str, device: str = TEST_DEVICE) -> Engine:
+    """The sync census's engines (CENSUS_ENGINES): AR; DFLASH with the random drafter in fixed blocks of 16 (every
+    row drafts); DFLASH with the defaults (adaptive blocks and context lookup: ragged blocks, lookup rows)."""
+    dflash = {"speculative_draft_model_path": str(random_drafter_path())}
+    if name == "DFLASH":
+        dflash |= {"speculative_adaptive": False, "speculative_lookup": False}
+    return Engine(device=device, model_path=target_model_path(), speculative_algorithm=name.split("-")[0],
                   max_total_tokens=SMALL_POOL, max_running_requests=8, log_level="warning",
-                  **(dflash if algorithm == "DFLASH" else {}))
+                  **(dflash if name != "NONE" else {}))
 
 
 def decode_step_census(
-    engine: Engine, batch: int, sampled: bool, around: AbstractContextManager | None = None
+    engine: Engine, batch: int, sampling: str, around: AbstractContextManager | None = None, steps: int = 1
 ) -> SyncCensus:
-    """The blocking host-device operations of one decode step (`Scheduler.run_step`) of `batch` chat requests,
-    after their prefill and 3 warm-up steps (`around`, if given, is entered around that step too); the requests
-    are aborted afterwards."""
+    """The blocking host-device operations of `steps` decode steps (`Scheduler.run_step`) of `batch` chat requests
+    with CENSUS_SAMPLING[sampling], after their prefill and 3 warm-up steps (`around`, if given, is entered around
+    those steps too); the requests are aborted afterwards."""
     tm, sched = engine.tokenizer_manager, engine.scheduler
-    params = {"max_new_tokens": 64, "temperature": 0.8 if sampled else 0.0, "ignore_eos": True}
+    params = {"max_new_tokens": 64, "ignore_eos": True, **CENSUS_SAMPLING[sampling]}
     reqs = []
     for i, prompt in enumerate(CHAT_PROMPTS[:batch]):
         req = tm.make_req(None, tm.chat_ids([{"role": "user", "content": prompt}]), {**params, "seed": i})
@@ -309,7 +315,8 @@ def decode_step_census(
     for _ in range(3):
         sched.run_step()
     with torch.inference_mode(), around or nullcontext(), SyncCensus() as census:
-        sched.run_step()
+        for _ in range(steps):
+            sched.run_step()
     for req in reqs:
         sched.abort_request(req.rid)
     while sched.has_work():

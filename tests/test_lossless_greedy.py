@@ -20,6 +20,7 @@ from dflash_helpers import (
 
 import sglang_dflash.speculative.dflash_step as dflash_step
 from sglang_dflash import Engine
+from sglang_dflash.device import HostCopy
 
 NEW_TOKENS = 128
 GREEDY = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
@@ -85,6 +86,42 @@ def test_adaptive_blocks_and_lookup_match_ar(prompts, reference, error_rate):
         assert sources["dflash"] > 0, dict(sources)
     else:
         assert sources["none"] > 0, dict(sources)
+
+
+class LateCopy(HostCopy):
+    """A host copy that lands late, as on a device still running steps: ready once LATE later copies were made
+    (one per step)."""
+
+    LATE = 2
+    made = 0
+
+    def __init__(self, tensor):
+        super().__init__(tensor)
+        LateCopy.made += 1
+        self.index = LateCopy.made
+
+    def ready(self) -> bool:
+        return LateCopy.made - self.index >= self.LATE and super().ready()
+
+
+def test_accepted_counts_that_land_late_match_ar(prompts, reference, monkeypatch):
+    """The policy learns each step's accepted counts once their copy has landed, never waiting for it: when they
+    land steps late (a device still running), the plans differ but the output is AR's, and every step is learnt
+    once, in order."""
+    monkeypatch.setattr(dflash_step, "HostCopy", LateCopy)
+    engine = dflash_engine(adaptive=True)
+    step = engine.scheduler.worker.step
+    decoded = [plans for _, plans, _ in step.unobserved]  # the engine may be shared: its last step's, if any
+    learnt = []
+    decode, observe = step.decode, step.policy.observe
+    monkeypatch.setattr(step, "decode", lambda *a: decoded.append(a[6]) or decode(*a))
+    monkeypatch.setattr(step.policy, "observe", lambda *a: learnt.append(a[1]) or observe(*a))
+    with OracleDrafter(prompts, reference, vocab(engine), 0.3, seed=4).installed(engine.scheduler.worker):
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    assert len(step.unobserved) == LateCopy.LATE + 1  # not landed at the last plan, and the last step
+    assert learnt + [plans for _, plans, _ in step.unobserved] == decoded
+    assert sum(o["meta_info"]["spec_source_steps"].get("dflash", 0) for o in outs) > 0
 
 
 def test_request_level_block_sizes_match_ar(prompts, reference):

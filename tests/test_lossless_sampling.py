@@ -48,7 +48,7 @@ def exact_distribution(target_dir: Path, params: dict, prompt: list[int] = PROMP
     with torch.no_grad():
         logits = model(seqs).logits[:, len(prompt) - 1 :].reshape(-1, VOCAB)  # rows predict t1, t2, t3
     info = SamplingBatchInfo.from_params([SamplingParams.from_dict(params)], VOCAB, torch.device("cpu"))
-    probs = logits_to_probs(logits, info.expand(torch.tensor([len(logits)]))).view(VOCAB, VOCAB, 3, VOCAB)
+    probs = logits_to_probs(logits, info.expand(torch.tensor([len(logits)]), len(logits))).view(VOCAB, VOCAB, 3, VOCAB)
     p1 = probs[0, 0, 0]  # t1 depends on the prompt only
     p2 = probs[:, 0, 1]  # [t1, t2]
     p3 = probs[:, :, 2]  # [t1, t2, t3]

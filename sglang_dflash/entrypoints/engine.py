@@ -149,7 +149,6 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler.abort_all("engine shutdown")
         self.scheduler.land()
-        self.scheduler.shutdown()
 
     def __enter__(self) -> Engine:
         return self

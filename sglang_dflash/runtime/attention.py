@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sglang_dflash.device import upload
 from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 # Up to this many query tokens per request, two small GEMMs + softmax beat CPU SDPA (up to 15x in bf16).
@@ -66,12 +67,12 @@ class TorchNativeAttnBackend:
         for n in lens:
             starts.append(starts[-1] + n)
         single = sorted(set(range(len(lens))) - set(padded))
-        tokens = torch.tensor([t for i in single for t in range(starts[i], starts[i + 1])], device=device)
+        tokens = upload([t for i in single for t in range(starts[i], starts[i + 1])], torch.int64, device)
         positions = fb.positions.index_select(0, tokens)
         one = (token_rows.index_select(0, tokens), positions, positions + 1)
         groups = [(tokens, self._metadata(fb, one, [1] * len(tokens), req_to_token, dtype))]
-        tokens = torch.tensor([t for i in padded for t in range(starts[i], starts[i + 1])], device=device)
-        idx = torch.tensor(padded, device=device)
+        tokens = upload([t for i in padded for t in range(starts[i], starts[i + 1])], torch.int64, device)
+        idx = upload(padded, torch.int64, device)
         rows = tuple(x.index_select(0, idx) for x in (fb.req_pool_indices, fb.extend_prefix_lens, fb.seq_lens))
         groups.append((tokens, self._metadata(fb, rows, [lens[i] for i in padded], req_to_token, dtype)))
         return GroupedMetadata(groups)

@@ -7,6 +7,8 @@ from enum import Enum, auto
 
 import torch
 
+from sglang_dflash.device import upload
+
 
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill of new tokens after an already cached prefix (may be empty)
@@ -52,7 +54,7 @@ class ForwardBatch:
     def build(
         cls,
         mode: ForwardMode,
-        input_ids: list[int] | torch.Tensor,
+        input_ids: list[int],
         req_pool_indices: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
@@ -63,29 +65,28 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Builds a batch from host lists. logits: 'last' (last new token per request), 'all', 'none'."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        positions = torch.cat(
+        total = sum(extend_lens)
+        positions = upload(torch.cat(
             [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
-        ).to(device)
-        rpi = torch.tensor(req_pool_indices, dtype=torch.int64, device=device)
-        req_idx = torch.repeat_interleave(rpi, torch.tensor(extend_lens, device=device))
+        ), torch.int64, device)
+        rpi, seq, ext, prefix = upload([req_pool_indices, seq_lens, extend_lens, prefix_lens], torch.int64, device)
+        req_idx = torch.repeat_interleave(rpi, ext, output_size=total)
         out_cache_loc = req_to_token[req_idx, positions].to(torch.int64)
         if logits == "last":
-            logits_indices = torch.tensor(extend_lens, device=device).cumsum(0) - 1
+            logits_indices = ext.cumsum(0) - 1
         elif logits == "all":
-            logits_indices = torch.arange(sum(extend_lens), device=device)
+            logits_indices = torch.arange(total, device=device)
         else:
             logits_indices = None
-        if not isinstance(input_ids, torch.Tensor):
-            input_ids = torch.tensor(input_ids, dtype=torch.int64)
         return cls(
             forward_mode=mode,
-            input_ids=input_ids.to(device),
+            input_ids=upload(input_ids, torch.int64, device),
             positions=positions,
             out_cache_loc=out_cache_loc,
             req_pool_indices=rpi,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
-            extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+            seq_lens=seq,
+            extend_seq_lens=ext,
+            extend_prefix_lens=prefix,
             max_seq_len=max(seq_lens),
             extend_seq_lens_cpu=list(extend_lens),
             logits_indices=logits_indices,
@@ -113,7 +114,7 @@ class ForwardBatch:
         if ext is None:
             n = len(extend_lens)
             ext = (torch.ones(n, dtype=torch.int64, device=device) if max(extend_lens) == 1
-                   else torch.tensor(extend_lens, dtype=torch.int64, device=device))
+                   else upload(extend_lens, torch.int64, device))
         total = sum(extend_lens)
         req_of_row = torch.repeat_interleave(torch.arange(len(extend_lens), device=device), ext, output_size=total)
         row_starts = torch.repeat_interleave(ext.cumsum(0) - ext, ext, output_size=total)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_dflash.device import upload
 from sglang_dflash.sampling.sampling_params import SamplingParams
 
 FAST_K = 256  # candidates examined before falling back to a full sort
@@ -25,6 +26,7 @@ class SamplingBatchInfo:
     frequency: torch.Tensor
     presence: torch.Tensor
     all_greedy: bool
+    sampled_rows: list[int] | None  # the rows that sample, known on the host (None in a select / expand)
     any_penalty: bool
     need_top_p: bool
     need_top_k: bool
@@ -32,10 +34,10 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingBatchInfo:
-        """One upload of a [8, n] float32 table (top-k and the greedy flag are exact in float32), cut into the
-        per-parameter rows on the device: a copy from host memory waits for a GPU's stream, so one, not eight."""
+        """One non-blocking upload of a [8, n] float32 table (top-k and the greedy flag are exact in float32), cut
+        into the per-parameter rows on the device."""
         greedy = [p.is_greedy for p in params]
-        table = torch.tensor([
+        table = upload([
             [1.0 if g else p.temperature for p, g in zip(params, greedy)],
             [p.top_p for p in params],
             [p.top_k if p.top_k > 0 else vocab_size for p in params],
@@ -44,7 +46,7 @@ class SamplingBatchInfo:
             [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
-        ], dtype=torch.float32).to(device)
+        ], torch.float32, device)
         return cls(
             temperatures=table[0],
             top_ps=table[1],
@@ -55,6 +57,7 @@ class SamplingBatchInfo:
             frequency=table[6],
             presence=table[7],
             all_greedy=all(greedy),
+            sampled_rows=[i for i, g in enumerate(greedy) if not g],
             any_penalty=any(p.has_penalties for p in params),
             need_top_p=any(p.top_p < 1 for p in params),
             need_top_k=any(0 < p.top_k < vocab_size for p in params),
@@ -64,14 +67,16 @@ class SamplingBatchInfo:
     def select(self, rows: torch.Tensor) -> SamplingBatchInfo:
         """The info of a subset of rows."""
         fields = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return SamplingBatchInfo(**fields)
+        return SamplingBatchInfo(**{**fields, "sampled_rows": None})
 
-    def expand(self, repeats: torch.Tensor) -> SamplingBatchInfo:
-        """Per-request info -> per-row info, request i repeated repeats[i] times."""
+    def expand(self, repeats: torch.Tensor, total: int) -> SamplingBatchInfo:
+        """Per-request info -> per-row info, request i repeated repeats[i] times (total: their sum, known on the
+        host, so the shape needs no sync)."""
         fields = {}
         for name, value in self.__dict__.items():
-            fields[name] = value.repeat_interleave(repeats, 0) if isinstance(value, torch.Tensor) else value
-        return SamplingBatchInfo(**fields)
+            expanded = isinstance(value, torch.Tensor)
+            fields[name] = value.repeat_interleave(repeats, 0, output_size=total) if expanded else value
+        return SamplingBatchInfo(**{**fields, "sampled_rows": None})
 
 
 def apply_penalties(
@@ -127,7 +132,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 def draw_uniforms(generators: list[torch.Generator], per_req: int, device: torch.device) -> torch.Tensor:
     """[len(generators), per_req] float32 uniforms, each request from its own generator."""
     rows = [torch.rand(per_req, generator=g) for g in generators]
-    return torch.stack(rows).to(device)
+    return upload(torch.stack(rows), torch.float32, device)
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor) -> torch.Tensor:
@@ -135,7 +140,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor
     greedy_ids = logits.argmax(-1)
     if info.all_greedy:
         return greedy_ids
-    rows = (~info.greedy).nonzero().squeeze(1)
+    rows = upload(info.sampled_rows, torch.int64, logits.device)
     sampled = sample_from_probs(logits_to_probs(logits[rows], info.select(rows)), uniforms[rows])
     return greedy_ids.index_copy(0, rows, sampled)
 
@@ -143,15 +148,15 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor
 def penalty_state(
     output_ids: list[list[int]], prompt_ids: list[list[int]], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output_counts [n, V] float32, seen_mask [n, V] bool) for rows with these token histories."""
+    """(output_counts [n, V] float32, seen_mask [n, V] bool) for rows with these token histories (two uploads)."""
     n = len(output_ids)
     counts = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
     seen = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-    for i, (out, prompt) in enumerate(zip(output_ids, prompt_ids)):
-        if out:
-            ids = torch.tensor(out, dtype=torch.int64, device=device)
-            counts[i].index_add_(0, ids, torch.ones(len(out), device=device))
-            seen[i, ids] = True
-        if prompt:
-            seen[i, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+    out = upload([[i for i, ids in enumerate(output_ids) for _ in ids], [t for ids in output_ids for t in ids]],
+                 torch.int64, device)
+    prompt = upload([[i for i, ids in enumerate(prompt_ids) for _ in ids], [t for ids in prompt_ids for t in ids]],
+                    torch.int64, device)
+    counts.index_put_((out[0], out[1]), torch.ones(out.shape[1], device=device), accumulate=True)
+    seen[out[0], out[1]] = True
+    seen[prompt[0], prompt[1]] = True
     return counts, seen

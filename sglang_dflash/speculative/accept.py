@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sglang_dflash.device import upload
 from sglang_dflash.kernels import greedy_accept, sampling_accept, sparse_sampling_accept
 from sglang_dflash.sampling.sampler import SamplingBatchInfo, logits_to_probs
 from sglang_dflash.speculative.draft_block import DraftBlock
@@ -28,15 +29,14 @@ def accept(
     draft is a point mass."""
     if info is None or info.all_greedy:
         return greedy_accept(block.candidates, block.padded(logits.argmax(-1)), block.block_lens)
-    greedy = info.greedy.tolist()
-    if not any(greedy):
+    reqs = info.sampled_rows
+    if len(reqs) == block.batch_size:
         return _sampled_accept(block, logits, info, uniforms[:, : block.width], uniforms[:, block.width], draft)
     # a mixed batch: every request by argmax first, then the sampled ones (only they build distributions)
     accept_lens, next_bonus, out_tokens = greedy_accept(block.candidates, block.padded(logits.argmax(-1)),
                                                         block.block_lens)
-    reqs = [i for i, g in enumerate(greedy) if not g]
     sub = block.select(reqs)
-    idx = torch.tensor(reqs, dtype=torch.int64, device=logits.device)
+    idx = upload(reqs, torch.int64, logits.device)
     if draft is not None:
         draft = (draft[0][idx, : sub.width], draft[1][idx, : sub.width])
     lens, bonus, tokens = _sampled_accept(sub, logits[block.token_rows(reqs)], info.select(idx),
@@ -52,7 +52,7 @@ def _sampled_accept(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rejection sampling of a block whose requests all sample: the target distribution of every verified row
     as the plain sampler defines it (temperature, top-k, top-p, min-p), padded to the block."""
-    probs = block.padded(logits_to_probs(logits, info.expand(block.block_lens)))
+    probs = block.padded(logits_to_probs(logits, info.expand(block.block_lens, block.num_tokens)))
     if draft is None:
         return sampling_accept(probs, block.candidates, block.block_lens, u, bonus_u)
     return sparse_sampling_accept(probs, block.candidates, block.block_lens, *draft, u, bonus_u)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from sglang_dflash.device import HostCopy, upload
 from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.dflash import DFlashDraftModel, block_input_ids
 from sglang_dflash.sampling.sampler import SamplingBatchInfo
@@ -57,19 +58,19 @@ class DFlashStep:
         self.draft = draft
         self.draft_pool = draft_pool
         self.policy = policy
-        self.unobserved: tuple[list[ReqSpecState], list[Plan], torch.Tensor] | None = None  # the last step
+        self.unobserved: list[tuple[list[ReqSpecState], list[Plan], HostCopy]] = []  # steps not yet learnt from
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (features, positions, slots)
         self.pending_tokens = 0
         self.max_pending_tokens = MAX_PENDING_TOKENS
 
     def plan(self, reqs: list, host_current: bool, limits: list[int]) -> tuple[list[ReqSpecState], list[Plan]]:
         """The policy's plan for the next step of the host's requests (anything with `spec_state`,
-        `origin_input_ids` and `output_ids`), after learning from the previous step. Lookup needs the host's
-        token lists to include every earlier step (`host_current`); limits: each request's largest block."""
-        if self.unobserved is not None:
-            prev_states, prev_plans, accept_lens = self.unobserved
-            self.policy.observe(prev_states, prev_plans, accept_lens.tolist())
-            self.unobserved = None
+        `origin_input_ids` and `output_ids`), after learning from the earlier steps whose accepted counts have
+        reached the host (never waiting for one: with a batch in flight it learns a step later). Lookup needs the
+        host's token lists to include every earlier step (`host_current`); limits: each request's largest block."""
+        while self.unobserved and self.unobserved[0][2].ready():
+            prev_states, prev_plans, accept_lens = self.unobserved.pop(0)
+            self.policy.observe(prev_states, prev_plans, accept_lens.host.tolist())
         for r in reqs:
             if getattr(r, "spec_state", None) is None:  # a new (or recomputed) request starts from the prior
                 r.spec_state = self.policy.new_state()
@@ -122,7 +123,7 @@ class DFlashStep:
         accept_lens, next_bonus, out_tokens = accept(block, logits, info, uniforms, draft)
         committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
         self.defer(features, block.verified(block.positions), block.verified(committed_loc))
-        self.unobserved = (states, plans, accept_lens)
+        self.unobserved.append((states, plans, HostCopy(accept_lens)))
         return StepOutput(accept_lens, next_bonus, out_tokens, seq_lens + accept_lens + 1, block_lens, plans)
 
     def propose(
@@ -139,11 +140,11 @@ class DFlashStep:
         if rows:
             pad = block.width - 1
             toks = [plans[i].lookup_tokens + [0] * (pad - len(plans[i].lookup_tokens)) for i in rows]
-            block.candidates[torch.tensor(rows, device=device), 1:] = torch.tensor(toks, dtype=torch.int64).to(device)
+            block.candidates[upload(rows, torch.int64, device), 1:] = upload(toks, torch.int64, device)
         rows = [i for i, p in enumerate(plans) if p.source == DFLASH]
         if not rows:
             return None
-        idx = torch.tensor(rows, device=device)
+        idx = upload(rows, torch.int64, device)
         block_lens = [plans[i].block_len for i in rows]
         args = (req_to_token, block.req_pool_indices[idx], block.candidates[idx, 0], block.seq_lens[idx], block_lens,
                 kv_bound)

@@ -11,6 +11,8 @@ from itertools import accumulate
 
 import torch
 
+from sglang_dflash.device import upload
+
 
 @dataclass
 class DraftBlock:
@@ -31,7 +33,7 @@ class DraftBlock:
     ) -> DraftBlock:
         """Candidates start as [bonus, 0, ...]; the proposers fill columns 1.. afterwards."""
         block = max(block_lens_cpu)
-        block_lens = torch.tensor(block_lens_cpu, dtype=torch.int64, device=bonus.device)
+        block_lens = upload(block_lens_cpu, torch.int64, bonus.device)
         cols = torch.arange(block, device=bonus.device)
         positions = seq_lens[:, None] + cols[None, :]
         in_block = cols[None, :] < block_lens[:, None]
@@ -43,7 +45,7 @@ class DraftBlock:
 
     def select(self, reqs: list[int]) -> DraftBlock:
         """The sub-block of the requests `reqs` (indices into this block's rows), as wide as their longest."""
-        idx = torch.tensor(reqs, dtype=torch.int64, device=self.candidates.device)
+        idx = upload(reqs, torch.int64, self.candidates.device)
         lens = [self.block_lens_cpu[i] for i in reqs]
         w = max(lens)
         return DraftBlock(self.req_pool_indices[idx], self.seq_lens[idx], self.block_lens[idx], lens,
@@ -54,7 +56,7 @@ class DraftBlock:
         """The indices of the requests' verified tokens among this block's T verified tokens."""
         starts = list(accumulate(self.block_lens_cpu, initial=0))
         rows = [starts[i] + j for i in reqs for j in range(self.block_lens_cpu[i])]
-        return torch.tensor(rows, dtype=torch.int64).to(self.candidates.device, non_blocking=True)
+        return upload(rows, torch.int64, self.candidates.device)
 
     @property
     def batch_size(self) -> int:
@@ -63,6 +65,11 @@ class DraftBlock:
     @property
     def width(self) -> int:
         return self.candidates.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """T: the verified tokens of the block."""
+        return sum(self.block_lens_cpu)
 
     @property
     def ragged(self) -> bool:
@@ -88,5 +95,4 @@ class DraftBlock:
 
 def _flat_rows(block_lens: list[int], width: int, device: torch.device) -> torch.Tensor:
     """Indices of the blocks' tokens in the flat [len(block_lens) * width] layout, request by request."""
-    rows = torch.tensor([i * width + j for i, n in enumerate(block_lens) for j in range(n)], dtype=torch.int64)
-    return rows.to(device, non_blocking=True)
+    return upload([i * width + j for i, n in enumerate(block_lens) for j in range(n)], torch.int64, device)

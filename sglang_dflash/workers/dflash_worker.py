@@ -191,5 +191,5 @@ class DFlashWorker:
                                      logits.shape[-1], self.device)
         row_counts = block_history(counts, block.candidates)
         row_seen = seen[:, None] | (row_counts > 0)
-        return apply_penalties(logits, info.expand(block.block_lens), block.verified(row_counts),
+        return apply_penalties(logits, info.expand(block.block_lens, block.num_tokens), block.verified(row_counts),
                                block.verified(row_seen))

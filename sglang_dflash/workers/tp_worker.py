@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_dflash.device import upload
 from sglang_dflash.models.llama import LogitsOutput
 from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
 from sglang_dflash.runtime.model_runner import ModelRunner
@@ -41,7 +42,7 @@ class TpModelWorker:
         return self.model_runner.forward(fb)
 
     def req_pool_indices(self, batch: ScheduleBatch) -> torch.Tensor:
-        return torch.tensor(batch.req_pool_indices, dtype=torch.int64, device=self.device)
+        return upload(batch.req_pool_indices, torch.int64, self.device)
 
     def build_extend_batch(self, batch: ScheduleBatch, capture_layer_ids: tuple[int, ...] | None = None):
         return ForwardBatch.build(
@@ -69,7 +70,7 @@ class TpModelWorker:
         out = torch.full((len(batch.reqs), 1), -1, dtype=torch.int64, device=self.device)
         rows = batch.sample_rows
         if rows:
-            idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            idx = upload(rows, torch.int64, self.device)
             ids = self.sample([batch.reqs[i] for i in rows], logits[idx])
             out[idx, 0] = ids
             self.future_map.publish(fb.req_pool_indices[idx], ids, fb.seq_lens[idx])

@@ -157,7 +157,7 @@ class SchedulerThread:
                 self.end_all_now("internal error: the scheduler step failed (see the server log)", 500)
             self.update_stats()
         self.abort_all("server shutdown")
-        self.scheduler.shutdown()
+        self.scheduler.drain()
 
     def end_all_now(self, message: str, status: int) -> None:
         sched = self.scheduler

@@ -58,15 +58,18 @@ def extend_positions(prefix_lens: list[int], extend_lens: list[int], device: tor
     return (torch.arange(int(lens.sum())) + starts.repeat_interleave(lens)).to(device)
 
 
-def sampling_batch_info(info: Any, vocab: int) -> SamplingBatchInfo:
-    """SGLang's per-request sampling tensors as our sampler's (penalties are applied to the logits beforehand)."""
+def sampling_batch_info(info: Any, reqs: list, vocab: int) -> SamplingBatchInfo:
+    """SGLang's per-request sampling tensors as our sampler's (penalties are applied to the logits beforehand); the
+    sampled rows from the requests' parameters on the host (SGLang's greedy is top_k <= 1)."""
     top_ks = info.top_ks.to(torch.int64).clamp(max=vocab)
     ones = torch.ones_like(info.top_ps, dtype=torch.float32)
     zeros = torch.zeros_like(ones)
     return SamplingBatchInfo(
         temperatures=info.temperatures.reshape(-1).float(), top_ps=info.top_ps.float(), top_ks=top_ks,
-        min_ps=info.min_ps.float(), greedy=top_ks == 1, repetition=ones, frequency=zeros, presence=zeros,
-        all_greedy=bool(info.is_all_greedy), any_penalty=False, need_top_p=bool(info.need_top_p_sampling),
+        min_ps=info.min_ps.float(), greedy=top_ks <= 1, repetition=ones, frequency=zeros, presence=zeros,
+        all_greedy=bool(info.is_all_greedy),
+        sampled_rows=[i for i, r in enumerate(reqs) if r.sampling_params.top_k > 1], any_penalty=False,
+        need_top_p=bool(info.need_top_p_sampling),
         need_top_k=bool(info.need_top_k_sampling), need_min_p=bool(info.need_min_p_sampling),
     )
 
@@ -242,7 +245,7 @@ class DFlashSGLangWorker(BaseSpecWorker):
             return None, None
         vocab = self.target_worker.model_runner.model_config.vocab_size
         uniforms = torch.rand(block.batch_size, block.width + 1, generator=self.generator, device=self.device)
-        return sampling_batch_info(info, vocab), uniforms
+        return sampling_batch_info(info, self.verifying[0].reqs, vocab), uniforms
 
     def adjust_logits(
         self, batch: ScheduleBatch, logits: torch.Tensor, rpi: torch.Tensor, candidates: torch.Tensor,
