@@ -3,7 +3,7 @@
 without them. A fault no single request causes (the device, the model) propagates as before.
 
 `forward_isolated` is the worker side: it reads only the worker and the batch's scheduling-time snapshots,
-so the overlap loop runs it on the device thread, in launch order; `fail_culprits` is the host side."""
+so the overlap loop can launch it before the previous batch is processed; `fail_culprits` is the host side."""
 
 from __future__ import annotations
 

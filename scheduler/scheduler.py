@@ -344,7 +344,6 @@ class Scheduler:
         return touched
 
 
-
 def launch(worker: Worker, batch: ScheduleBatch) -> Future:
     """Runs `batch` (queues its work on an asynchronous device); its outcome, or its error, when processed."""
     future: Future = Future()
