@@ -35,6 +35,7 @@ from sglang_dflash.entrypoints.http.scheduler_thread import SchedulerThread
 from sglang_dflash.entrypoints.http.streaming import stream_outputs
 from sglang_dflash.entrypoints.http.tokenizer_manager import AsyncTokenizerManager
 from sglang_dflash.scheduler.schedule_batch import Req
+from sglang_dflash.scheduler.scheduler import Scheduler
 from sglang_dflash.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -188,15 +189,24 @@ def build_app(args: ServerArgs) -> FastAPI:
     for bad flag values (model or drafter paths, sizes)."""
     from sglang_dflash.entrypoints.engine import build_components
 
-    tokenizer_manager, scheduler = build_components(args)
+    tokenizer_managers = []
+
+    def build() -> Scheduler:  # on the scheduler thread, like every step after it
+        tokenizer_manager, scheduler = build_components(args)
+        scheduler.add_request(tokenizer_manager.make_req(input_ids=tokenizer_manager.encode("Hello"),
+                                                         sampling_params={"max_new_tokens": 4}))
+        while scheduler.has_work():  # warm-up
+            scheduler.run_step()
+        tokenizer_managers.append(tokenizer_manager)
+        return scheduler
+
     model_name = served_model_name(args)
     metrics = Metrics(model_name)
-    scheduler_thread = SchedulerThread(scheduler, metrics)
-    tm = AsyncTokenizerManager(tokenizer_manager, scheduler_thread,
+    scheduler_thread = SchedulerThread(build, metrics)
+    scheduler = scheduler_thread.scheduler
+    tm = AsyncTokenizerManager(tokenizer_managers[0], scheduler_thread,
                                scheduler.max_running_requests + args.max_queued_requests, args.request_timeout_s)
-    scheduler_thread.warmup(tm.make_req(input_ids=tm.encode("Hello"), sampling_params={"max_new_tokens": 4}))
     app = create_app(args, tm, scheduler_thread, metrics, model_name)
-    scheduler_thread.start()
     logger.info("model %s: dtype %s, device %s, KV pool %d tokens, context %d, speculative %s", model_name,
                 resolved_dtype(args), args.device, scheduler.allocator.size, tm.context_length,
                 args.speculative_algorithm or "NONE")

@@ -2,6 +2,11 @@
 
 Commands (add, abort) come in through a thread-safe queue; outputs go out to per-request asyncio queues
 with `loop.call_soon_threadsafe`. Each output carries only what is new since the previous one.
+
+All of the server's torch work runs on this thread: building the model, the warm-up and every step. Torch
+work on a second thread starts a second OpenMP team; with more OpenMP threads than cores, libgomp stops
+spinning between parallel regions and sleeps instead, and a batch-1 decode step on a 2-core CPU took 1.6x
+as long (53 vs 33 ms; model built and warmed up on the main thread, steps on this one).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from sglang_dflash.entrypoints.http.metrics import Metrics
@@ -96,30 +103,23 @@ STOP = object()
 
 
 class SchedulerThread:
-    def __init__(self, scheduler: Scheduler, metrics: Metrics | None = None):
-        self.scheduler = scheduler
+    def __init__(self, build: Callable[[], Scheduler], metrics: Metrics | None = None):
+        """Starts the thread, which calls `build` (model, warm-up) and then serves commands; returns once the
+        scheduler is built, raising what `build` raised."""
         self.metrics = metrics
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}
-        self.stats = SchedulerStats(max_total_num_tokens=scheduler.allocator.size)
         self.last_step_end: float | None = None
         self.num_steps = 0
         self.step_time_s = 0.0
         self.host_gap_s = 0.0
         self.num_host_gaps = 0
-        self.thread = threading.Thread(target=self.run, name="scheduler", daemon=True)
-        self.update_stats()
-
-    def warmup(self, req: Req) -> None:
-        """Runs one request to the end on the calling thread, before start()."""
-        self.scheduler.add_request(req)
-        while self.scheduler.has_work():
-            self.scheduler.run_step()
-        self.update_stats()
+        built: Future[Scheduler] = Future()
+        self.thread = threading.Thread(target=self.run, args=(build, built), name="scheduler", daemon=True)
+        self.thread.start()
+        self.scheduler = built.result()
 
     # ---- called from the HTTP thread ----
-    def start(self) -> None:
-        self.thread.start()
 
     def add(self, req: Req, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> None:
         self.commands.put(AddReq(req, loop, out))
@@ -142,7 +142,14 @@ class SchedulerThread:
         self.thread.join(timeout=30)
 
     # ---- the scheduler thread ----
-    def run(self) -> None:
+    def run(self, build: Callable[[], Scheduler], built: Future[Scheduler]) -> None:
+        try:
+            self.scheduler = build()
+            self.update_stats()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.scheduler)
         while True:
             idle = not self.scheduler.has_work()
             if idle:
