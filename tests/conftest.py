@@ -12,6 +12,8 @@ from sglang_dflash.device import accelerator
 if accelerator() is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import ctypes
+import gc
 import json
 import shutil
 from collections.abc import Callable
@@ -38,6 +40,23 @@ CHAT_PROMPTS = [
     "Write a Python one-liner that reverses a string.",
     "Why is the sky blue?",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_helper_engines() -> None:
+    """The helpers' cached engines (about 1 GB each in float32) live for one test module: holding all of them for
+    the whole run, beside the servers of the HTTP and plugin tests, got a clean-clone CI run killed for memory
+    (24 GiB machine, the pytest process at 10 GB)."""
+    yield
+    import dflash_helpers
+
+    dflash_helpers.ar_engine.cache_clear()
+    dflash_helpers.dflash_engine.cache_clear()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed memory in its arenas otherwise
+    except (OSError, AttributeError):
+        pass
 
 
 # ---- the default model ----

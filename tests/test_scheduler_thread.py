@@ -7,7 +7,7 @@ import asyncio
 import threading
 
 import pytest
-from dflash_helpers import SMALL_POOL
+from dflash_helpers import save_standin_target
 
 from sglang_dflash.entrypoints.engine import build_components
 from sglang_dflash.entrypoints.http.scheduler_thread import SchedulerThread
@@ -15,13 +15,15 @@ from sglang_dflash.scheduler.scheduler import Scheduler
 from sglang_dflash.server_args import ServerArgs
 
 
-def test_build_and_steps_run_on_the_scheduler_thread() -> None:
+def test_build_and_steps_run_on_the_scheduler_thread(tmp_path) -> None:
+    args = ServerArgs(model_path=str(save_standin_target(tmp_path, num_layers=2)), speculative_algorithm="NONE",
+                      max_total_tokens=1024, dtype="float32")
     threads: dict[str, set[int]] = {"build": set(), "step": set()}
     built = {}
 
     def build() -> Scheduler:
         threads["build"].add(threading.get_ident())
-        built["tm"], scheduler = build_components(ServerArgs(max_total_tokens=SMALL_POOL, dtype="float32"))
+        built["tm"], scheduler = build_components(args)
         run_step = scheduler.run_step
 
         def recorded_step():
