@@ -114,13 +114,12 @@ class SchedulerThread:
         self.step_time_s = 0.0
         self.host_gap_s = 0.0
         self.num_host_gaps = 0
-        built: Future[Scheduler] = Future()
+        built: Future[None] = Future()
         self.thread = threading.Thread(target=self.run, args=(build, built), name="scheduler", daemon=True)
         self.thread.start()
-        self.scheduler = built.result()
+        built.result()  # self.scheduler is set
 
     # ---- called from the HTTP thread ----
-
     def add(self, req: Req, loop: asyncio.AbstractEventLoop, out: asyncio.Queue) -> None:
         self.commands.put(AddReq(req, loop, out))
 
@@ -142,14 +141,14 @@ class SchedulerThread:
         self.thread.join(timeout=30)
 
     # ---- the scheduler thread ----
-    def run(self, build: Callable[[], Scheduler], built: Future[Scheduler]) -> None:
+    def run(self, build: Callable[[], Scheduler], built: Future[None]) -> None:
         try:
             self.scheduler = build()
             self.update_stats()
         except BaseException as e:
             built.set_exception(e)
             return
-        built.set_result(self.scheduler)
+        built.set_result(None)
         while True:
             idle = not self.scheduler.has_work()
             if idle:
