@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--start-index", type=int, default=0, help="first prompt (e.g. past those already trained on)")
     ap.add_argument("--num-prompts", type=int, default=8000)
-    ap.add_argument("--shard-size", type=int, default=64)
+    ap.add_argument("--shard-size", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-running-requests", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)

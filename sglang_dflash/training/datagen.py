@@ -1,8 +1,10 @@
 """Regenerates training responses with the target itself (our engine, continuous batching).
 
-Requests stream through the scheduler (new prompts join as others finish); finished records are
-appended to token-id shards `shard_XXXXX.jsonl` (prompt_ids, response_ids, the sampling used).
-Prompts already present in the shards are skipped, so a killed run resumes where it stopped.
+Requests stream through the scheduler (new prompts join as others finish). Finished records are kept in
+compressed shards `shard_XXXXX.npz` of `shard_size` records: the token ids as uint16 (prompt then response,
+concatenated), their lengths, and a JSON list of the rest (id, source, finish reason, sampling). A shard is
+written when it is full (and the last one at the end), so a killed run loses at most one shard's records;
+prompts already present are skipped, so it resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -11,46 +13,68 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from sglang_dflash.training.prompts import load_prompts
 
+META_KEYS = ("id", "source", "finish", "sampling")
+
 
 def sampling_for(index: int, max_new_tokens: int) -> dict:
-    """Greedy and T=0.7 samples mixed half and half, seeded by the prompt index."""
-    if index % 2 == 0:
+    """Three greedy responses to one sampled at T=0.7 (greedy ones are what greedy acceptance learns from),
+    seeded by the prompt index."""
+    if index % 4 != 3:
         return {"temperature": 0.0, "max_new_tokens": max_new_tokens}
     return {"temperature": 0.7, "top_p": 0.95, "seed": index, "max_new_tokens": max_new_tokens}
 
 
-def load_shards(data_dir: Path) -> list[dict]:
-    records = []
-    for path in sorted(Path(data_dir).glob("shard_*.jsonl")):
-        with open(path) as f:
-            records.extend(json.loads(line) for line in f if line.strip())
+def write_shard(path: Path, records: list[dict]) -> None:
+    """Records (prompt_ids, response_ids and META_KEYS) -> one compressed .npz (written whole, then renamed)."""
+    ids = [t for r in records for t in r["prompt_ids"] + r["response_ids"]]
+    assert max(ids, default=0) < 1 << 16, "token ids must fit uint16"
+    meta = json.dumps([{k: r[k] for k in META_KEYS} for r in records])
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez_compressed(tmp, tokens=np.asarray(ids, dtype=np.uint16),
+                        prompt_lens=np.asarray([len(r["prompt_ids"]) for r in records], dtype=np.int32),
+                        response_lens=np.asarray([len(r["response_ids"]) for r in records], dtype=np.int32),
+                        meta=np.frombuffer(meta.encode(), dtype=np.uint8))
+    tmp.replace(path)
+
+
+def read_shard(path: Path) -> list[dict]:
+    with np.load(path) as z:
+        tokens, prompt_lens, response_lens = z["tokens"].astype(np.int64), z["prompt_lens"], z["response_lens"]
+        meta = json.loads(z["meta"].tobytes().decode())
+    records, pos = [], 0
+    for m, n_prompt, n_response in zip(meta, prompt_lens.tolist(), response_lens.tolist()):
+        prompt, response = tokens[pos : pos + n_prompt], tokens[pos + n_prompt : pos + n_prompt + n_response]
+        records.append({**m, "prompt_ids": prompt.tolist(), "response_ids": response.tolist()})
+        pos += n_prompt + n_response
     return records
 
 
+def load_shards(data_dir: Path) -> list[dict]:
+    return [r for path in sorted(Path(data_dir).glob("shard_*[0-9].npz")) for r in read_shard(path)]
+
+
 class ShardWriter:
-    """Appends records to shard files of `shard_size` lines, continuing after existing shards."""
+    """Collects records and writes each full shard of `shard_size`, numbered after the existing shards."""
 
     def __init__(self, out_dir: Path, shard_size: int):
         self.out_dir, self.shard_size = out_dir, shard_size
-        existing = sorted(out_dir.glob("shard_*.jsonl"))
-        self.index = len(existing)
-        self.count = 0
-        if existing:
-            with open(existing[-1]) as f:
-                n = sum(1 for line in f if line.strip())
-            if n < shard_size:
-                self.index, self.count = len(existing) - 1, n
+        self.index = len(list(out_dir.glob("shard_*[0-9].npz")))
+        self.pending: list[dict] = []
 
     def write(self, rec: dict) -> None:
-        if self.count >= self.shard_size:
-            self.index, self.count = self.index + 1, 0
-        with open(self.out_dir / f"shard_{self.index:05d}.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        self.count += 1
+        self.pending.append(rec)
+        if len(self.pending) >= self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            write_shard(self.out_dir / f"shard_{self.index:05d}.npz", self.pending)
+            self.index, self.pending = self.index + 1, []
 
 
 def generate_responses(
@@ -85,6 +109,7 @@ def generate_responses(
             bar.update(1)
         live_tokens = sum(len(v[3].output_ids) for v in live.values())
         bar.set_postfix(tok_s=f"{(tokens + live_tokens) / (time.perf_counter() - t0):.0f}", refresh=False)
+    writer.flush()
     bar.close()
     manifest = {"prompts": str(prompts_path), "start": start, "num_prompts": len(prompts), "shard_size": shard_size,
                 "max_new_tokens": max_new_tokens}

@@ -8,6 +8,7 @@ Decode plans the step from the requests, then `DFlashStep.decode` proposes, asks
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from sglang_dflash.device import synchronize
+from sglang_dflash.kernels.backend import ENV_VAR
 from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
 from sglang_dflash.sampling.sampler import SamplingBatchInfo, apply_penalties, draw_uniforms, penalty_state
@@ -119,7 +121,8 @@ class DFlashWorker:
     def cost_model(self, server_args: ServerArgs, drafter_path: str) -> CostModel:
         """Calibrated once per device, model, drafter, dtype and thread count (cached on disk)."""
         runner = self.target.model_runner
-        key = {"calibration": 5, "device": str(self.device), "model": str(runner.model_dir),
+        key = {"calibration": 6, "kernels": os.environ.get(ENV_VAR, ""), "device": str(self.device),
+               "model": str(runner.model_dir),
                "drafter": str(drafter_path), "dtype": str(runner.dtype), "threads": torch.get_num_threads(),
                "block": self.block_size, "cpu": platform.processor() or platform.machine()}
         max_tokens = min(256, server_args.max_running_requests * self.block_size, runner.max_total_tokens,

@@ -1,0 +1,47 @@
+"""Decode attention read straight from the paged KV pool: each row is one query token attending to the first
+seq_len slots of its request (`req_to_token`), without a gathered copy of K/V.
+
+On CPU the C++ kernel `csrc/decode_attention.cpp` runs where it builds; elsewhere, or when
+`SGLANG_DFLASH_KERNELS=torch`, the torch reference.
+"""
+
+import os
+
+import torch
+
+from sglang_dflash.kernels.backend import ENV_VAR
+from sglang_dflash.kernels.cpu_extensions import cpu_extension
+
+
+def decode_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Torch reference of `decode_attention` (gathers each row's K/V, pads to the longest, float32 softmax)."""
+    bs, nh, hd = q.shape
+    nkv = k_cache.shape[1]
+    max_kv = max(int(seq_lens.max()), 1) if bs else 1
+    slots = req_to_token[req_pool_indices.long(), :max_kv].long()
+    k = k_cache[slots].float().permute(0, 2, 1, 3)  # [bs, nKV, L, hd]
+    v = v_cache[slots].float().permute(0, 2, 1, 3)
+    qg = q.float().view(bs, nkv, nh // nkv, hd)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [bs, nKV, g, L]
+    hidden = torch.arange(max_kv, device=q.device)[None, :] >= seq_lens[:, None]
+    probs = scores.masked_fill(hidden[:, None, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.matmul(probs, v).reshape(bs, nh, hd)
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """q [bs, nH, hd] (any strides); k_cache, v_cache [slots, nKV, hd] of one layer; req_to_token [R, ctx]
+    int32/int64 slot of each position; req_pool_indices, seq_lens [bs]: row i attends to positions
+    [0, seq_lens[i]) of request req_pool_indices[i]. Returns [bs, nH, hd] float32 (a row with seq_len 0: zeros)."""
+    assert q.dim() == 3 and k_cache.shape == v_cache.shape and q.shape[2] == k_cache.shape[2], (q.shape, k_cache.shape)
+    assert q.shape[1] % k_cache.shape[1] == 0, (q.shape, k_cache.shape)
+    assert req_pool_indices.shape == seq_lens.shape == (q.shape[0],), (req_pool_indices.shape, seq_lens.shape)
+    forced_torch = os.environ.get(ENV_VAR, "").strip().lower() == "torch"
+    if q.device.type == "cpu" and not forced_torch and (ext := cpu_extension("decode_attention")) is not None:
+        return ext.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
