@@ -15,12 +15,12 @@ from sglang_dflash.kernels.cpu_extensions import cpu_extension
 
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
 ) -> torch.Tensor:
-    """Torch reference of `decode_attention` (gathers each row's K/V, pads to the longest, float32 softmax)."""
+    """Torch reference of `decode_attention` (gathers each row's K/V, pads to max_seq_len, float32 softmax)."""
     bs, nh, hd = q.shape
     nkv = k_cache.shape[1]
-    max_kv = max(int(seq_lens.max()), 1) if bs else 1
+    max_kv = max(max_seq_len, 1)
     slots = req_to_token[req_pool_indices.long(), :max_kv].long()
     k = k_cache[slots].float().permute(0, 2, 1, 3)  # [bs, nKV, L, hd]
     v = v_cache[slots].float().permute(0, 2, 1, 3)
@@ -33,15 +33,17 @@ def decode_attention_torch(
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
 ) -> torch.Tensor:
     """q [bs, nH, hd] (any strides); k_cache, v_cache [slots, nKV, hd] of one layer; req_to_token [R, ctx]
     int32/int64 slot of each position; req_pool_indices, seq_lens [bs]: row i attends to positions
-    [0, seq_lens[i]) of request req_pool_indices[i]. Returns [bs, nH, hd] float32 (a row with seq_len 0: zeros)."""
+    [0, seq_lens[i]) of request req_pool_indices[i]; max_seq_len >= every seq_len, known on the host (no device
+    sync). Returns [bs, nH, hd] float32 (a row with seq_len 0: zeros)."""
     assert q.dim() == 3 and k_cache.shape == v_cache.shape and q.shape[2] == k_cache.shape[2], (q.shape, k_cache.shape)
     assert q.shape[1] % k_cache.shape[1] == 0, (q.shape, k_cache.shape)
     assert req_pool_indices.shape == seq_lens.shape == (q.shape[0],), (req_pool_indices.shape, seq_lens.shape)
     forced_torch = os.environ.get(ENV_VAR, "").strip().lower() == "torch"
     if q.device.type == "cpu" and not forced_torch and (ext := cpu_extension("decode_attention")) is not None:
         return ext.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
-    return decode_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+    return decode_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale,
+                                  max_seq_len)

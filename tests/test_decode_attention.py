@@ -49,9 +49,9 @@ def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype):
     scale = hd**-0.5
     if impl == "kernel":
         assert cpu_extension("decode_attention") is not None, "the CPU kernel did not build"
-        got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale)
+        got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale, ctx)
     else:
-        got = decode_attention_torch(q, k_cache, v_cache, table, rows, seq_lens, scale)
+        got = decode_attention_torch(q, k_cache, v_cache, table, rows, seq_lens, scale, ctx)
     assert got.dtype == torch.float32 and got.shape == (bs, nkv * g, hd)
     torch.testing.assert_close(got.double(), per_row(q, k_cache, v_cache, table, rows, seq_lens, scale),
                                atol=1e-5, rtol=1e-5)
@@ -64,5 +64,5 @@ def test_forced_torch_backend_uses_the_reference(monkeypatch):
     table, rows, seq_lens = torch.arange(50).view(2, 25), torch.tensor([1, 0]), torch.tensor([25, 3])
     q = torch.randn(2, 4, 16, generator=gen)
     monkeypatch.setenv("SGLANG_DFLASH_KERNELS", "torch")
-    got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.25)
-    assert torch.equal(got, decode_attention_torch(q, k_cache, v_cache, table, rows, seq_lens, 0.25))
+    got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.25, 25)
+    assert torch.equal(got, decode_attention_torch(q, k_cache, v_cache, table, rows, seq_lens, 0.25, 25))

@@ -41,6 +41,7 @@ class DecodeRowsMetadata:
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     req_to_token: torch.Tensor
+    max_seq_len: int  # a host-side bound of seq_lens
 
 
 @dataclass
@@ -96,7 +97,7 @@ class TorchNativeAttnBackend:
         device = fb.input_ids.device
         req_pool_indices, prefix_lens, seq_lens = rows
         if max(lens) == 1:
-            return DecodeRowsMetadata(req_pool_indices, seq_lens, req_to_token)
+            return DecodeRowsMetadata(req_pool_indices, seq_lens, req_to_token, fb.max_seq_len)
         ext_lens = seq_lens - prefix_lens
         bs, nkv = len(lens), self.num_kv_heads
         max_kv = fb.max_seq_len
@@ -137,7 +138,8 @@ class TorchNativeAttnBackend:
         meta: AttentionMetadata | DecodeRowsMetadata, scale: float,
     ) -> torch.Tensor:
         if isinstance(meta, DecodeRowsMetadata):
-            out = decode_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens, scale)
+            out = decode_attention(q, k_cache, v_cache, meta.req_to_token, meta.req_pool_indices, meta.seq_lens, scale,
+                                   meta.max_seq_len)
             return out.to(q.dtype).view(q.shape[0], -1)
         bs, nkv, _, hd = meta.k.shape
         nh, max_q = q.shape[1], meta.max_q
