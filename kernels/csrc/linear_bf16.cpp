@@ -1,7 +1,8 @@
 // bf16 linear layers on CPUs with AVX512-BF16: y[M, N] = x[M, K] W^T (+ b), float32 accumulation.
 // The weight is packed once into blocks of 16 output rows with K in pairs ([N/16][K/2][16][2], the layout
-// `vdpbf16ps` consumes), so a block streams from memory exactly once per call while each of up to 16 input
-// rows is multiplied into it: small batches (decode, verify blocks) read the weights at memory speed.
+// `vdpbf16ps` consumes), so a block streams from memory once per call and stays in cache while the input rows,
+// up to 8 at a time in registers, are multiplied into it: small batches (decode, verify blocks) read the
+// weights at memory speed.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
