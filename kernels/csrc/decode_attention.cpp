@@ -27,16 +27,23 @@ inline void prefetch_row(const T* row, int64_t hd) {
   for (int64_t c = 0; c < hd * static_cast<int64_t>(sizeof(T)); c += 64) __builtin_prefetch(p + c);
 }
 
+// Position l's row of one KV head -> row [hd] float32, prefetching the row kPrefetch positions ahead.
+template <typename T, typename I>
+inline void load_row(const T* cache, const I* slots, int64_t l, int64_t len, int64_t kv_stride, int64_t hd,
+                     float* row) {
+  if (l + kPrefetch < len) prefetch_row(cache + slots[l + kPrefetch] * kv_stride, hd);
+  const T* src = cache + slots[l] * kv_stride;
+#pragma omp simd
+  for (int64_t d = 0; d < hd; ++d) row[d] = to_float(src[d]);
+}
+
 // One (row, KV head): q [g, hd] float; scores [g, len] and acc [g, hd] are scratch; out [g, hd].
 template <typename T, typename I, int64_t HD>
 void attend(const float* q, const T* k_cache, const T* v_cache, const I* slots, int64_t len, int64_t kv_stride,
             int64_t g, int64_t hd_runtime, float scale, float* scores, float* row, float* out) {
   const int64_t hd = HD ? HD : hd_runtime;
   for (int64_t l = 0; l < len; ++l) {
-    if (l + kPrefetch < len) prefetch_row(k_cache + slots[l + kPrefetch] * kv_stride, hd);
-    const T* k = k_cache + slots[l] * kv_stride;
-#pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) row[d] = to_float(k[d]);
+    load_row(k_cache, slots, l, len, kv_stride, hd, row);
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = q + j * hd;
       float s = 0.f;
@@ -61,10 +68,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const I* slots, 
   }
   std::fill(out, out + g * hd, 0.f);
   for (int64_t l = 0; l < len; ++l) {
-    if (l + kPrefetch < len) prefetch_row(v_cache + slots[l + kPrefetch] * kv_stride, hd);
-    const T* v = v_cache + slots[l] * kv_stride;
-#pragma omp simd
-    for (int64_t d = 0; d < hd; ++d) row[d] = to_float(v[d]);
+    load_row(v_cache, slots, l, len, kv_stride, hd, row);
     for (int64_t j = 0; j < g; ++j) {
       const float p = scores[j * len + l];
       float* oj = out + j * hd;
