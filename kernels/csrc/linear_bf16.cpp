@@ -2,7 +2,8 @@
 // The weight is packed once into blocks of 16 output rows with K in pairs ([N/16][K/2][16][2], the layout
 // `vdpbf16ps` consumes), so a block streams from memory once per call and stays in cache while the input rows,
 // up to 8 at a time in registers, are multiplied into it: small batches (decode, verify blocks) read the
-// weights at memory speed.
+// weights at memory speed. The first pass over a block prefetches the next one into L2, so memory and the
+// multiplications overlap (212 MB of weights on 2 cores: 8 rows as fast as 1, 16 rows 1.6x).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,13 +19,15 @@ constexpr int64_t kBlockN = 16;  // output rows per block (one zmm of float32 ac
 constexpr int64_t kChunkM = 8;   // input rows per pass over a block
 
 #if defined(__AVX512BF16__)
-// R input rows (x pairs at xr[r * x_pairs + p]) times one packed block of 16 outputs -> y rows (stride n).
+// R input rows (x pairs at xr[r * x_pairs + p]) times one packed block of 16 outputs -> y rows (stride n);
+// `next` (or null): a block of the same size to prefetch into L2 meanwhile, one cache line per pair step.
 template <int R>
 inline void block_rows(const __m512bh* w, int64_t kp, const uint32_t* xr, int64_t x_pairs, __m512 init,
-                       at::BFloat16* y, int64_t n, __mmask16 mask) {
+                       at::BFloat16* y, int64_t n, __mmask16 mask, const __m512bh* next) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = init;
   for (int64_t p = 0; p < kp; ++p) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + p), _MM_HINT_T1);
     const __m512bh wv = w[p];
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r * x_pairs + p])));
@@ -80,15 +83,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       for (int64_t m0 = 0; m0 < m; m0 += kChunkM) {
         const uint32_t* xr = xp + m0 * (x_stride / 2);
         at::BFloat16* yr = op + m0 * n + n0;
+        const __m512bh* next = (m0 == 0 && blk + 1 < end) ? w + kp : nullptr;
         switch (std::min(kChunkM, m - m0)) {
-          case 1: block_rows<1>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
-          case 2: block_rows<2>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
-          case 3: block_rows<3>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
-          case 4: block_rows<4>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
-          case 5: block_rows<5>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
-          case 6: block_rows<6>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
-          case 7: block_rows<7>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
-          default: block_rows<8>(w, kp, xr, x_stride / 2, init, yr, n, mask); break;
+          case 1: block_rows<1>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
+          case 2: block_rows<2>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
+          case 3: block_rows<3>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
+          case 4: block_rows<4>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
+          case 5: block_rows<5>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
+          case 6: block_rows<6>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
+          case 7: block_rows<7>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
+          default: block_rows<8>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
         }
       }
     }

@@ -130,7 +130,7 @@ class DFlashDraftModel(nn.Module):
         self.kv_bias: torch.Tensor | None = None
         self.k_norm_weight: torch.Tensor | None = None
         self.draft_vocab: torch.Tensor | None = None
-        self.draft_head: torch.Tensor | None = None
+        self.draft_head: nn.Module | None = None  # the draft vocabulary's rows of the target head (not a parameter)
 
     # ---- wiring ----
     def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
@@ -151,7 +151,10 @@ class DFlashDraftModel(nn.Module):
         if cfg.draft_vocab is not None:
             self.draft_vocab = torch.tensor(cfg.draft_vocab, dtype=torch.int64, device=device)
             if self.lm_head is not None:  # the draft vocabulary's rows of the (frozen) target head, gathered once
-                self.draft_head = self.lm_head.weight[self.draft_vocab].detach()
+                head = nn.Linear(cfg.hidden_size, len(self.draft_vocab), bias=False, device=device,
+                                 dtype=self.lm_head.weight.dtype).requires_grad_(False)
+                head.weight.copy_(self.lm_head.weight[self.draft_vocab].detach())
+                object.__setattr__(self, "draft_head", head)
 
     # ---- context features -> draft KV ----
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
@@ -204,8 +207,9 @@ class DFlashDraftModel(nn.Module):
         """float32 logits of normed states x."""
         if self.draft_vocab is None:
             return self.shape_logits(self.lm_head(x).float())
-        head = self.draft_head if self.draft_head is not None else self.lm_head.weight[self.draft_vocab]
-        return self.shape_logits(F.linear(x, head).float())
+        if self.draft_head is not None:
+            return self.shape_logits(self.draft_head(x).float())
+        return self.shape_logits(F.linear(x, self.lm_head.weight[self.draft_vocab]).float())
 
     def shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's raw logits as the draft scores them (DFlash 2: multiplier and soft-capping)."""

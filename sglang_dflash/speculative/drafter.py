@@ -10,7 +10,7 @@ from torch import nn
 from sglang_dflash.models.dflash import DFlashDraftModel, checkpoint_dir, load_draft_model
 from sglang_dflash.models.dflash2 import DFlash2Config, load_dflash2_model
 from sglang_dflash.models.dflash_config import DFlashConfig
-from sglang_dflash.models.packed_linear import can_pack, pack_linears
+from sglang_dflash.models.packed_linear import PackedLinear, can_pack, pack_linears
 
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 DEFAULT_DRAFTER = DRAFTERS_DIR / "smollm2-135m-instruct-dflash"
@@ -61,6 +61,8 @@ def load_drafter(
     draft.config.check_target(target_config)
     draft.bind_target(embed_tokens, lm_head)
     draft.prepare_inference(device)
-    if can_pack(device, dtype):  # oneDNN-packed bf16 GEMMs on CPU, as the target's
+    if can_pack(device, dtype):  # packed bf16 GEMMs on CPU, as the target's
         pack_linears(draft, keep_weight=("fc",))
+        if draft.draft_head is not None:
+            object.__setattr__(draft, "draft_head", PackedLinear(draft.draft_head))
     return draft
