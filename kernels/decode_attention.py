@@ -1,15 +1,16 @@
 """Decode attention read straight from the paged KV pool: each row is one query token attending to the first
 seq_len slots of its request (`req_to_token`), without a gathered copy of K/V.
 
-On CPU the C++ kernel `csrc/decode_attention.cpp` runs where it builds; elsewhere, or when
-`SGLANG_DFLASH_KERNELS=torch`, the torch reference.
+On CPU the C++ kernel `csrc/decode_attention.cpp` runs where it builds; on CUDA/XPU the Triton kernel
+(`decode_attention_triton.py`) where triton imports; otherwise, or when `SGLANG_DFLASH_KERNELS=torch`, the torch
+reference. `SGLANG_DFLASH_KERNELS=triton` forces the Triton kernel (on CPU tensors under TRITON_INTERPRET=1).
 """
 
 import os
 
 import torch
 
-from sglang_dflash.kernels.backend import ENV_VAR
+from sglang_dflash.kernels.backend import ENV_VAR, use_triton
 from sglang_dflash.kernels.cpu_extensions import cpu_extension
 
 
@@ -42,8 +43,12 @@ def decode_attention(
     assert q.dim() == 3 and k_cache.shape == v_cache.shape and q.shape[2] == k_cache.shape[2], (q.shape, k_cache.shape)
     assert q.shape[1] % k_cache.shape[1] == 0, (q.shape, k_cache.shape)
     assert req_pool_indices.shape == seq_lens.shape == (q.shape[0],), (req_pool_indices.shape, seq_lens.shape)
-    forced_torch = os.environ.get(ENV_VAR, "").strip().lower() == "torch"
-    if q.device.type == "cpu" and not forced_torch and (ext := cpu_extension("decode_attention")) is not None:
+    if use_triton(q):
+        from sglang_dflash.kernels.decode_attention_triton import decode_attention_triton
+
+        return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if q.device.type == "cpu" and not forced and (ext := cpu_extension("decode_attention")) is not None:
         return ext.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale,
                                   max_seq_len)

@@ -23,6 +23,7 @@ from sglang_dflash.kernels import (
     sampling_accept_torch,
     triton_available,
 )
+from sglang_dflash.kernels.decode_attention import decode_attention_torch
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 5, 8, 128, 16
 Case = tuple[str, str, Callable[[], object], Callable[[], object] | None]
@@ -115,6 +116,25 @@ def sampling_case(bs: int, vocab: int, device: torch.device, triton: bool) -> Ca
     return "sampling_accept", f"bs={bs} B={BLOCK} V={vocab}", lambda: sampling_accept_torch(*args), fast
 
 
+def decode_attention_case(bs: int, context: int, device: torch.device, triton: bool) -> Case:
+    """One layer's decode attention of bs rows over `context` positions each, 4 query heads per KV head, the
+    rows' slots scattered over a pool of 2x the tokens."""
+    pool = 2 * bs * context
+    k_cache, v_cache = torch.randn(2, pool, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    table = torch.randperm(pool, device=device)[: bs * context].view(bs, context).to(torch.int32)
+    rows = torch.arange(bs, device=device)
+    seq_lens = torch.full((bs,), context, device=device)
+    q = torch.randn(bs, 4 * KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    args = (q, k_cache, v_cache, table, rows, seq_lens, HEAD_DIM**-0.5)
+    fast = None
+    if triton:
+        from sglang_dflash.kernels.decode_attention_triton import decode_attention_triton
+
+        fast = lambda: decode_attention_triton(*args)
+    return ("decode_attention", f"bs={bs} ctx={context} nKV={KV_HEADS} g=4 hd={HEAD_DIM}",
+            lambda: decode_attention_torch(*args, context), fast)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,6 +144,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="16,128,512", help="token counts N for materialize_draft_kv")
     parser.add_argument("--batch", default="1,8,32,64", help="batch sizes for the per-request kernels")
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--context", type=int, default=1024, help="positions per row for decode_attention")
     args = parser.parse_args()
     device = dev.resolve_device(args.device)
     triton = device.type != "cpu" and triton_available()
@@ -135,6 +156,7 @@ def main() -> None:
         cases += [
             lambda bs=bs: greedy_case(bs, device, triton),
             lambda bs=bs: sampling_case(bs, args.vocab, device, triton),
+            lambda bs=bs: decode_attention_case(bs, args.context, device, triton),
         ]
     rows = []
     print(f"{'kernel':<22} {'shape':<32} {'torch ms':>9} {'triton ms':>9} {'speedup':>7}  match")

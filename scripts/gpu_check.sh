@@ -3,8 +3,8 @@
 # hub, no default GGUF: the tests build a random stand-in target, tests/dflash_helpers.py); under 8 minutes
 # (the step time limits add up to 490 s).
 #   environment        versions, the device, where sglang_dflash imports from -> $OUT_DIR/environment.json
-#   kernel-tests       tests/test_kernels.py + tests/test_device.py: Triton compiled natively (no interpreter) on
-#                      an accelerator; on cpu the torch path only
+#   kernel-tests       tests/test_kernels.py + tests/test_device.py + tests/test_decode_attention.py: Triton
+#                      compiled natively (no interpreter) on an accelerator; on cpu the torch path only
 #   lossless-tests     tests/test_lossless_*.py with every Engine on the device (SGLANG_DFLASH_TEST_DEVICE)
 #   bench-kernels      scripts/bench_kernels.py at serving shapes -> $OUT_DIR/kernels.json
 #   decode-timing      scripts/decode_timing.py: AR vs DFLASH tokens/s -> $OUT_DIR/decode_timing.json
@@ -44,7 +44,7 @@ if [[ $SIZE == tiny ]]; then
     export SGLANG_DFLASH_TEST_STANDIN_LAYERS=5  # the fewest that a 2-layer drafter can read from
     lossless_tests=("${lossless_tests[0]}::test_oracle_drafter_matches_ar[0.0]"
                     "${lossless_tests[1]}::test_dflash_sampling_matches_exact[T1]")
-    bench_args=(--tokens 16 --batch 1 --vocab 4096)
+    bench_args=(--tokens 16 --batch 1 --vocab 4096 --context 64)
     decode_args=(--prompts 2 --new-tokens 16)
 elif [[ $SIZE != full ]]; then
     echo "CHECK_SIZE must be full or tiny, got '$SIZE'" >&2
@@ -97,7 +97,8 @@ info = {
 Path(sys.argv[1]).write_text(json.dumps(info, indent=2))
 print(info)
 EOF
-step kernel-tests 120 python -m pytest -q "$ROOT/tests/test_kernels.py" "$ROOT/tests/test_device.py" "${kernel_args[@]}"
+step kernel-tests 120 python -m pytest -q "$ROOT/tests/test_kernels.py" "$ROOT/tests/test_device.py" \
+    "$ROOT/tests/test_decode_attention.py" "${kernel_args[@]}"
 step lossless-tests 180 python -m pytest -q "${lossless_tests[@]}"
 step bench-kernels 50 python "$ROOT/scripts/bench_kernels.py" --device "$DEVICE" --out "$OUT_DIR/kernels.json" \
     "${bench_args[@]}"

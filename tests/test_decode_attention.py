@@ -1,14 +1,23 @@
-"""Decode attention from the paged pool (`kernels.decode_attention`): the CPU C++ kernel and the torch reference
-against per-row float64 softmax attention, on random pools with odd shapes, int32/int64 slot tables, bf16 and
-float32 caches, non-contiguous queries and empty rows."""
+"""Decode attention from the paged pool (`kernels.decode_attention`): the CPU C++ kernel, the Triton kernel
+(CUDA/XPU; here through the Triton interpreter) and the torch reference against per-row float64 softmax
+attention, on random pools with odd shapes, int32/int64 slot tables, bf16 and float32 caches, non-contiguous
+queries and empty rows."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
+from sglang_dflash.device import accelerator
+from sglang_dflash.kernels.backend import triton_available, triton_import_error
 from sglang_dflash.kernels.cpu_extensions import cpu_extension
 from sglang_dflash.kernels.decode_attention import decode_attention, decode_attention_torch
+
+DEVICE = accelerator() or torch.device("cpu")
+if DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
 
 def per_row(q, k_cache, v_cache, req_to_token, rows, seq_lens, scale):
@@ -31,8 +40,8 @@ SHAPES = [(1, 1, 1, 64), (5, 3, 3, 64), (7, 2, 4, 128), (3, 1, 5, 40), (9, 4, 2,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("impl", ["kernel", "torch"])
-def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype):
+@pytest.mark.parametrize("impl", ["kernel", "triton", "torch"])
+def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype, monkeypatch):
     bs, nkv, g, hd = shape
     gen = torch.Generator().manual_seed(bs * 1000 + hd)
     slots, reqs, ctx = 700, 6, 97
@@ -48,8 +57,16 @@ def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype):
     q = torch.randn(bs, nkv * g, 2 * hd, generator=gen).to(dtype)[:, :, ::2]  # non-contiguous
     scale = hd**-0.5
     if impl == "kernel":
+        if DEVICE.type != "cpu":
+            pytest.skip("the C++ kernel serves CPU engines (not built by the device check)")
         assert cpu_extension("decode_attention") is not None, "the CPU kernel did not build"
         got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, scale, ctx)
+    elif impl == "triton":
+        if not triton_available():
+            pytest.skip(f"triton unusable: {triton_import_error()}")
+        monkeypatch.setenv("SGLANG_DFLASH_KERNELS", "triton")
+        device_args = [x.to(DEVICE) for x in (q, k_cache, v_cache, table, rows, seq_lens)]
+        got = decode_attention(*device_args, scale, ctx).cpu()
     else:
         got = decode_attention_torch(q, k_cache, v_cache, table, rows, seq_lens, scale, ctx)
     assert got.dtype == torch.float32 and got.shape == (bs, nkv * g, hd)
