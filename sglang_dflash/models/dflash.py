@@ -151,9 +151,8 @@ class DFlashDraftModel(nn.Module):
         if cfg.draft_vocab is not None:
             self.draft_vocab = torch.tensor(cfg.draft_vocab, dtype=torch.int64, device=device)
             if self.lm_head is not None:  # the draft vocabulary's rows of the (frozen) target head, gathered once
-                head = nn.Linear(cfg.hidden_size, len(self.draft_vocab), bias=False, device=device,
-                                 dtype=self.lm_head.weight.dtype).requires_grad_(False)
-                head.weight.copy_(self.lm_head.weight[self.draft_vocab].detach())
+                head = nn.Linear(cfg.hidden_size, len(self.draft_vocab), bias=False, device="meta")
+                head.weight = nn.Parameter(self.lm_head.weight[self.draft_vocab].detach(), requires_grad=False)
                 object.__setattr__(self, "draft_head", head)
 
     # ---- context features -> draft KV ----
