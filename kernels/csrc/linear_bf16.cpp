@@ -74,17 +74,22 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const __m512bh* wp = reinterpret_cast<const __m512bh*>(packed.data_ptr<at::BFloat16>());
   const float* bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  // the rows split evenly over the fewest passes of at most kChunkM (33 rows: 7 7 7 6 6, not 8 8 8 8 1): a pass of
+  // few rows is bound by the latency of its accumulator chains, not by the multiplications (measured over one
+  // model's layers: 32 rows 19.4 ms, 33 rows 21.4 ms with a 1-row pass); each row's sums are the same either way
+  const int64_t passes = (m + kChunkM - 1) / kChunkM;
+  const auto rows_in = [&](int64_t pass) { return m / passes + (pass < m % passes ? 1 : 0); };
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const __m512bh* w = wp + blk * kp;
       const int64_t n0 = blk * kBlockN, valid = std::min(kBlockN, n - n0);
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
       const __m512 init = bp ? _mm512_maskz_loadu_ps(mask, bp + n0) : _mm512_setzero_ps();
-      for (int64_t m0 = 0; m0 < m; m0 += kChunkM) {
+      for (int64_t pass = 0, m0 = 0; pass < passes; m0 += rows_in(pass), ++pass) {
         const uint32_t* xr = xp + m0 * (x_stride / 2);
         at::BFloat16* yr = op + m0 * n + n0;
-        const __m512bh* next = (m0 == 0 && blk + 1 < end) ? w + kp : nullptr;
-        switch (std::min(kChunkM, m - m0)) {
+        const __m512bh* next = (pass == 0 && blk + 1 < end) ? w + kp : nullptr;
+        switch (rows_in(pass)) {
           case 1: block_rows<1>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
           case 2: block_rows<2>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
           case 3: block_rows<3>(w, kp, xr, x_stride / 2, init, yr, n, mask, next); break;
