@@ -32,6 +32,13 @@ def decode_attention_torch(
     return torch.matmul(probs, v).reshape(bs, nh, hd)
 
 
+def reads_runs(device: torch.device) -> bool:
+    """Whether `decode_attention` on this device reads K/V once for consecutive rows of one request (the C++
+    kernel: a verify block's tokens as 1-token rows cost about one row's reads), not once per row."""
+    forced = os.environ.get(ENV_VAR, "").strip()
+    return device.type == "cpu" and not forced and cpu_extension("decode_attention") is not None
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,

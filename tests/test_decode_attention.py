@@ -74,6 +74,33 @@ def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype, 
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_one_request_read_together_match_alone(dtype: torch.dtype):
+    """Consecutive rows of one request (a verify block's tokens as 1-token rows: the C++ kernel reads the context
+    once for them, in runs of up to 16) against the reference, and each row bit-identical to the row alone."""
+    if DEVICE.type != "cpu" or cpu_extension("decode_attention") is None:
+        pytest.skip("the C++ kernel serves CPU engines")
+    gen = torch.Generator().manual_seed(7)
+    nkv, g, hd, slots, reqs, ctx = 3, 3, 64, 900, 4, 200
+    k_cache = torch.randn(slots, nkv, hd, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, nkv, hd, generator=gen).to(dtype)
+    table = torch.randperm(slots, generator=gen)[: reqs * ctx].view(reqs, ctx)
+    blocks = [(2, 150, 4), (0, 37, 1), (3, 0, 3), (1, 90, 20), (2, 10, 2)]  # (request, prefix, tokens)
+    rows = torch.tensor([r for r, _, n in blocks for _ in range(n)])
+    seq_lens = torch.tensor([p + j + 1 for _, p, n in blocks for j in range(n)])
+    seq_lens[5] = 0  # an empty row inside a run
+    q = torch.randn(len(rows), nkv * g, hd, generator=gen).to(dtype)
+    got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, hd**-0.5, ctx)
+    torch.testing.assert_close(got.double(), per_row(q, k_cache, v_cache, table, rows, seq_lens, hd**-0.5),
+                               atol=1e-5, rtol=1e-5)
+    for i in range(len(rows)):
+        alone = decode_attention(q[i : i + 1], k_cache, v_cache, table, rows[i : i + 1], seq_lens[i : i + 1],
+                                 hd**-0.5, ctx)
+        assert torch.equal(alone, got[i : i + 1]), i
+    empty = decode_attention(q[:0], k_cache, v_cache, table, rows[:0], seq_lens[:0], hd**-0.5, ctx)
+    assert empty.shape == (0, nkv * g, hd)
+
+
 def test_forced_torch_backend_uses_the_reference(monkeypatch):
     """SGLANG_DFLASH_KERNELS=torch routes to the torch reference (bit-identical to calling it)."""
     gen = torch.Generator().manual_seed(0)

@@ -1,10 +1,12 @@
 // Decode attention on CPU, read straight from the paged KV pool (no gathered copy of K/V).
 // Each row is one query token that attends to the first seq_len slots of its request; the query heads that
-// share a KV head are done together, so every K/V row is read once. Rows of slots are prefetched ahead
+// share a KV head, and consecutive rows of one request (a verify block's tokens), are done together, so every
+// K/V row is read once per run of rows. Rows of slots are prefetched ahead
 // (the pool is paged: consecutive positions sit in unrelated slots). Accumulation and softmax in float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -12,6 +14,7 @@
 namespace {
 
 constexpr int64_t kPrefetch = 16;  // rows ahead
+constexpr int64_t kMaxRun = 16;   // rows of one request read together (a verify block)
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -37,43 +40,57 @@ inline void load_row(const T* cache, const I* slots, int64_t l, int64_t len, int
   for (int64_t d = 0; d < hd; ++d) row[d] = to_float(src[d]);
 }
 
-// One (row, KV head): q [g, hd] float; scores [g, len] and acc [g, hd] are scratch; out [g, hd].
+// One run of n rows of the same request and one KV head: row r's g query heads (q + r * q_stride, [g, hd]
+// float) attend to its first lens[r] positions. Each K/V row is read once for the whole run (a verify block's
+// tokens as consecutive rows: one read of the context, not one per token); every query's sums run as they would
+// alone, so a row's output does not depend on its run. scores [n * g, max len] and row [hd] are scratch.
 template <typename T, typename I, int64_t HD>
-void attend(const float* q, const T* k_cache, const T* v_cache, const I* slots, int64_t len, int64_t kv_stride,
-            int64_t g, int64_t hd_runtime, float scale, float* scores, float* row, float* out) {
+void attend(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const I* slots,
+            const int64_t* lens, int64_t n, int64_t kv_stride, int64_t g, int64_t hd_runtime, float scale,
+            float* scores, float* row, float* out) {
   const int64_t hd = HD ? HD : hd_runtime;
+  const int64_t len = *std::max_element(lens, lens + n);  // the run's longest row; scores rows are this long
   for (int64_t l = 0; l < len; ++l) {
     load_row(k_cache, slots, l, len, kv_stride, hd, row);
-    for (int64_t j = 0; j < g; ++j) {
-      const float* qj = q + j * hd;
-      float s = 0.f;
+    for (int64_t r = 0; r < n; ++r) {
+      if (l >= lens[r]) continue;
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = q + r * q_stride + j * hd;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < hd; ++d) s += qj[d] * row[d];
-      scores[j * len + l] = s * scale;
+        for (int64_t d = 0; d < hd; ++d) s += qj[d] * row[d];
+        scores[(r * g + j) * len + l] = s * scale;
+      }
     }
   }
-  for (int64_t j = 0; j < g; ++j) {
-    float* sj = scores + j * len;
-    float m = -INFINITY;
-    for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
-    float sum = 0.f;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores + (r * g + j) * len;
+      const int64_t lr = lens[r];
+      float m = -INFINITY;
+      for (int64_t l = 0; l < lr; ++l) m = std::max(m, sj[l]);
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < len; ++l) {
-      sj[l] = expf(sj[l] - m);
-      sum += sj[l];
-    }
-    const float inv = 1.f / sum;
+      for (int64_t l = 0; l < lr; ++l) {
+        sj[l] = expf(sj[l] - m);
+        sum += sj[l];
+      }
+      const float inv = 1.f / sum;
 #pragma omp simd
-    for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+      for (int64_t l = 0; l < lr; ++l) sj[l] *= inv;
+    }
+    std::fill(out + r * q_stride, out + r * q_stride + g * hd, 0.f);  // an empty row stays zeros
   }
-  std::fill(out, out + g * hd, 0.f);
   for (int64_t l = 0; l < len; ++l) {
     load_row(v_cache, slots, l, len, kv_stride, hd, row);
-    for (int64_t j = 0; j < g; ++j) {
-      const float p = scores[j * len + l];
-      float* oj = out + j * hd;
+    for (int64_t r = 0; r < n; ++r) {
+      if (l >= lens[r]) continue;
+      for (int64_t j = 0; j < g; ++j) {
+        const float p = scores[(r * g + j) * len + l];
+        float* oj = out + r * q_stride + j * hd;
 #pragma omp simd
-      for (int64_t d = 0; d < hd; ++d) oj[d] += p * row[d];
+        for (int64_t d = 0; d < hd; ++d) oj[d] += p * row[d];
+      }
     }
   }
 }
@@ -83,6 +100,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
   const int64_t bs = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), g = nh / nkv;
   const int64_t kv_stride = k_cache.stride(0), table_stride = req_to_token.stride(0);
+  if (bs == 0) return;
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   const float* qp = q.data_ptr<float>();
@@ -90,17 +108,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, bs * nkv, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> runs{0};  // runs of consecutive rows of one request (at most kMaxRun rows)
+  for (int64_t b = 1; b < bs; ++b)
+    if (rows[b] != rows[b - 1] || b - runs.back() == kMaxRun) runs.push_back(b);
+  runs.push_back(bs);
+  const int64_t nruns = static_cast<int64_t>(runs.size()) - 1;
+  at::parallel_for(0, nruns * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(hd);
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / nkv, h = w % nkv, len = lens[b], offset = (b * nh + h * g) * hd;
-      if (len == 0) {
-        std::fill(op + offset, op + offset + g * hd, 0.f);
-        continue;
-      }
-      scores.resize(g * len);
-      attend<T, I, HD>(qp + offset, kc + h * hd, vc + h * hd, table + rows[b] * table_stride, len, kv_stride, g,
-                       hd, scale, scores.data(), row.data(), op + offset);
+      const int64_t b = runs[w / nkv], n = runs[w / nkv + 1] - b, h = w % nkv, offset = (b * nh + h * g) * hd;
+      scores.resize(n * g * *std::max_element(lens + b, lens + b + n));
+      attend<T, I, HD>(qp + offset, nh * hd, kc + h * hd, vc + h * hd, table + rows[b] * table_stride, lens + b, n,
+                       kv_stride, g, hd, scale, scores.data(), row.data(), op + offset);
     }
   });
 }
