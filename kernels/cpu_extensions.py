@@ -5,6 +5,7 @@ torch, with a warning."""
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -17,12 +18,22 @@ NAMES = ("decode_attention", "linear_bf16")
 @functools.cache
 def cpu_extension(name: str):
     """The built extension `csrc/{name}.cpp`, or None when it cannot be built here."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
-    # one build per torch install: environments (e.g. SGLang's venv) must not rebuild each other's
-    install = hashlib.sha256(f"{torch.__version__} {torch.__file__}".encode()).hexdigest()[:8]
+    # one build per torch install and source text, wherever the checkout is: the source is compiled from a copy
+    # in the build directory, so two checkouts (CI's GPU-check dry run copies the tree) never rebuild each other's
+    # (ninja rebuilds whenever the source path changes); environments (SGLang's venv) neither
+    source = (CSRC / f"{name}.cpp").read_bytes()
+    digest = hashlib.sha256(f"{torch.__version__} {torch.__file__}".encode() + source).hexdigest()[:8]
+    build = Path(get_default_build_root()) / f"sglang_dflash_{name}_{digest}"
     try:
-        return load(f"sglang_dflash_{name}_{install}", [str(CSRC / f"{name}.cpp")],
+        build.mkdir(parents=True, exist_ok=True)
+        copy = build / f"{name}.cpp"
+        if not copy.is_file() or copy.read_bytes() != source:
+            tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(source)
+            tmp.replace(copy)
+        return load(build.name, [str(copy)], build_directory=str(build),
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-lmvec"])
     except Exception as exc:  # no compiler, no headers: the torch path still works
         logger.warning("CPU kernel %s unavailable, using torch: %s", name, exc)
