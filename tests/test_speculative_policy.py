@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from sglang_dflash.speculative.cost_model import LOWER_BOUNDS, CostModel, _bounded_solve, load_or_calibrate
+from sglang_dflash.speculative.cost_model import LOWER_BOUNDS, CostModel, Curve, _bounded_solve, load_or_calibrate
 from sglang_dflash.speculative.lookup import NgramIndex
 from sglang_dflash.speculative.policy import (
     CHECK_EVERY,
@@ -20,6 +20,7 @@ from sglang_dflash.speculative.policy import (
     LOOKUP,
     LOOKUP_PRIOR,
     NONE,
+    PLAIN_SKIP,
     Plan,
     SpecOptions,
     SpecPolicy,
@@ -115,6 +116,66 @@ def flat_cost() -> CostModel:
     return CostModel({1: 1.0, 16: 1.1, 64: 2.0, 256: 6.0}, {16: 0.25, 256: 1.0})
 
 
+def test_curve_tabulates_the_piecewise_linear_times():
+    """Curve (a table at whole token counts, grown on demand) against the piecewise-linear definition: flat below
+    the first point, linear between points and past the last; no tokens cost nothing."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        xs = np.unique(rng.integers(1, 3000, size=rng.integers(1, 8)))
+        ys = np.sort(rng.random(len(xs)))  # monotone already
+        curve = Curve(dict(zip(xs.tolist(), ys.tolist())))
+        n = rng.integers(0, 5000, size=50)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        want = np.where(n > xs[-1], ys[-1] + slope * (n - xs[-1]), np.interp(n, xs, ys))
+        want[n == 0] = 0.0
+        np.testing.assert_allclose(curve(n), want, rtol=1e-12)
+        assert curve(int(n[0])) == pytest.approx(want[0])
+
+
+def reference_best(policy: SpecPolicy, look: np.ndarray, draft: np.ndarray | None) -> list[int]:
+    """The block lengths of the best plan, spelled out: each row takes the source promising more in all, then the
+    extensions of all rows in order of gain are taken while they raise expected tokens per second."""
+    bs = len(look)
+    drafting = [draft is not None and draft[i].sum() > look[i].sum() for i in range(bs)]
+    gains = [draft[i] if drafting[i] else look[i] for i in range(bs)]
+    exts = sorted((-g, i, k) for i in range(bs) for k, g in enumerate(gains[i]) if g > 0)
+    best_rate, best_lens = bs / policy.cost.step_time(bs, 0, bs), [1] * bs
+    lens, expected = [1] * bs, float(bs)
+    for neg_gain, i, _ in exts:
+        lens[i] += 1
+        expected -= neg_gain
+        widths = [n for n, d in zip(lens, drafting) if d and n > 1]
+        rate = expected / policy.cost.step_time(sum(lens), len(widths) * max(widths, default=0), bs)
+        if rate > best_rate:
+            best_rate, best_lens = rate, list(lens)
+    return best_lens
+
+
+def test_batched_plan_matches_the_spelled_out_one():
+    cost = CostModel({1: 0.02, 8: 0.022, 9: 0.026, 16: 0.03, 17: 0.033, 32: 0.04, 33: 0.045, 64: 0.07, 256: 0.25},
+                     {16: 0.004, 64: 0.01, 256: 0.03})
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        bs = int(rng.integers(1, 40))
+        policy = SpecPolicy(SpecOptions(16), cost)
+        states = [policy.new_state() for _ in range(bs)]
+        for st in states:
+            for key in st.accept:
+                st.accept[key] = (rng.random(15) ** 0.4).tolist()
+        match = [int(rng.choice([0, 2, 3, 4])) for _ in range(bs)]
+        lookups = [(rng.integers(0, 9, size=int(rng.integers(1, 16))).tolist(), n) if n else ([], 0) for n in match]
+        limits = rng.integers(1, 17, size=bs).tolist()
+        look = policy.gain_matrix(states, [f"{LOOKUP}{n}" if n else None for _, n in lookups],
+                                  [len(t) for t, _ in lookups])
+        draft = policy.gain_matrix(states, [DFLASH] * bs, [lim - 1 for lim in limits])
+        for d in (None, draft):
+            _, seconds, plans = policy._best(lookups, look, d)
+            assert [p.block_len for p in plans] == reference_best(policy, look, d)
+            assert seconds == pytest.approx(policy._step_time(plans))
+            for p, (toks, n) in zip(plans, lookups):
+                assert p.source != LOOKUP or (p.lookup_tokens == toks[: p.block_len - 1] and p.match_n == n)
+
+
 def test_policy_drops_a_useless_drafter_to_plain_decoding():
     policy = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
     state = policy.new_state()
@@ -122,6 +183,26 @@ def test_policy_drops_a_useless_drafter_to_plain_decoding():
         plans = policy.plan([state], None, [16])
         policy.observe([state], plans, [0])
     assert plans[0].source == NONE and plans[0].block_len == 1
+
+
+def test_plain_batches_are_planned_rarely():
+    """Once plain rows win for the whole batch, up to PLAIN_SKIP steps in a row run them unplanned; a drafter
+    that starts to accept is taken again within PLAIN_SKIP + 1 steps."""
+    policy = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
+    states = [policy.new_state() for _ in range(8)]
+    plans_made = []
+    best = policy._best
+    policy._best = lambda *args: plans_made.append(1) or best(*args)
+    for _ in range(600):
+        plans = policy.plan(states, None, [16] * 8)
+        policy.observe(states, plans, [0] * 8)
+    assert all(p.source == NONE for p in plans)
+    assert len(plans_made) / 2 <= 600 / (PLAIN_SKIP + 1) + 30  # two candidate plans (with, without a draft) each
+    for st in states:  # the drafter turns out to accept everything
+        st.accept[DFLASH] = [0.99] * 15
+    policy.prior[DFLASH] = [0.99] * 15
+    taken = [any(p.source == DFLASH for p in policy.plan(states, None, [16] * 8)) for _ in range(PLAIN_SKIP + 1)]
+    assert any(taken)
 
 
 def test_policy_takes_long_blocks_from_an_accepting_drafter():

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-# A CPU GEMM's time steps up one row past a multiple of 16 (oneDNN bf16 tiles; measured on a 2-core AMX CPU, a whole
-# decode forward: 32 -> 33 rows +5.5 ms, 48 -> 49 +13 ms, ~0.7 ms a row in between): points on both sides of each
-# step, so the first speculative token of a batch of 32 is priced at the step it costs
-CALIBRATION_TOKENS = (1, 2, 4, 8, 16, 17, 24, 32, 33, 40, 48, 49, 64, 65, 96, 97, 128, 129, 256, 512)
+# A CPU GEMM's time steps up one row past a multiple of its row tile (oneDNN bf16: 16, measured on a 2-core AMX
+# CPU, a whole decode forward: 32 -> 33 rows +5.5 ms, 48 -> 49 +13 ms, ~0.7 ms a row in between; our AVX512-BF16
+# kernel: one more pass over each weight block per 8 rows, 8 -> 9 rows +2.3 ms over one forward's layers): points on
+# both sides of each step, so the first speculative token of a batch is priced at the step it costs
+CALIBRATION_TOKENS = (1, 2, 4, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 64, 65, 96, 97, 128, 129, 256, 512)
 FORGET = 0.99  # weight of the past in the online fit, per observed step
 PRIOR_WEIGHT = 0.2  # the prior (a = b = c = 1, e = g = 0) counts as this many steps
 TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
@@ -41,14 +42,35 @@ TILE_ROWS = 16  # the row tile of a CPU GEMM (oneDNN); where the tiles do not st
 LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0, 0.0])  # a, c, b, e, g: more tokens never cost less
 
 
+class Curve:
+    """Seconds of a forward over n tokens: piecewise-linear through timed points (flat below the first: a forward
+    has a fixed cost; extended linearly past the last), tabulated at whole token counts so that the policy's
+    hundreds of candidate steps a step cost one array lookup. No tokens, no forward: 0 s."""
+
+    def __init__(self, points: dict[int, float]):
+        self.points = _monotone(points)
+        self.table = self._tabulate(1024)
+
+    def _tabulate(self, size: int) -> np.ndarray:
+        table = _interp(self.points, np.arange(size, dtype=np.float64))
+        table[0] = 0.0
+        return table
+
+    def __call__(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and int(tokens.max()) >= len(self.table):
+            self.table = self._tabulate(2 * int(tokens.max()))
+        return self.table[tokens]
+
+
 class CostModel:
     def __init__(self, verify: dict[int, float], draft: dict[int, float]):
-        self.verify_points = _monotone(verify)
-        self.draft_points = _monotone(draft)
+        self.verify = Curve(verify)
+        self.draft = Curve(draft)
         self.coef = np.array([1.0, 1.0, 1.0, 0.0, 0.0])  # a, c, b, e, g
         # the prior weighs as PRIOR_WEIGHT steps of typical features, and never fades
         spec = self.calibrated(1 + TYPICAL_SPEC_TOKENS, 0) - self.calibrated(1, 0)
-        typical = np.array([self.verify_points[0][1], self.draft_points[0][1], spec, float(TYPICAL_SPEC_TOKENS), 1.0])
+        typical = np.array([self.verify.points[0][1], self.draft.points[0][1], spec, float(TYPICAL_SPEC_TOKENS), 1.0])
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
         self.prior_xy = self.prior_xx @ self.coef
         self.xx = np.zeros((5, 5))
@@ -59,18 +81,16 @@ class CostModel:
         """[..., 5]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
         forward), calibrated verify time of the speculative tokens (those beyond one per request), their count,
         the GEMM row tiles they start."""
-        verify_tokens, draft_tokens = np.asarray(verify_tokens, np.float64), np.asarray(draft_tokens, np.float64)
-        requests = np.broadcast_to(np.asarray(requests, np.float64), verify_tokens.shape)
-        base = _interp(self.verify_points, requests)
-        draft = np.where(draft_tokens > 0, _interp(self.draft_points, draft_tokens), 0.0)
-        spec = _interp(self.verify_points, verify_tokens) - base
-        tiles = np.ceil(verify_tokens / TILE_ROWS) - np.ceil(requests / TILE_ROWS)
-        return np.stack([base, draft, spec, verify_tokens - requests, tiles], axis=-1)
+        verify_tokens, requests = np.asarray(verify_tokens, np.int64), np.asarray(requests, np.int64)
+        base = self.verify(requests)
+        tiles = (-requests // TILE_ROWS) - (-verify_tokens // TILE_ROWS)  # ceil(T / tile) - ceil(R / tile)
+        return np.stack(np.broadcast_arrays(
+            base, self.draft(draft_tokens), self.verify(verify_tokens) - base, verify_tokens - requests, tiles,
+        ), axis=-1).astype(np.float64)
 
     def calibrated(self, verify_tokens: int, draft_tokens: int) -> float:
         """The calibration's time of one request verifying `verify_tokens` (+ a draft forward)."""
-        draft = _interp(self.draft_points, np.array(float(draft_tokens))) if draft_tokens > 0 else 0.0
-        return float(_interp(self.verify_points, np.array(float(verify_tokens))) + draft)
+        return float(self.verify(verify_tokens) + self.draft(draft_tokens))
 
     def step_time(self, verify_tokens: int, draft_tokens: int, requests: int) -> float:
         """Predicted seconds of a step of `requests` requests verifying `verify_tokens` in all with a draft
@@ -96,7 +116,7 @@ class CostModel:
         return all(1 / STALE <= self.calibrated(n, 0) / t <= STALE for n, t in verify_times.items())
 
     def to_dict(self) -> dict:
-        return {"verify": dict(self.verify_points), "draft": dict(self.draft_points), "coef": self.coef.tolist()}
+        return {"verify": dict(self.verify.points), "draft": dict(self.draft.points), "coef": self.coef.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:

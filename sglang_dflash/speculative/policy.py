@@ -13,7 +13,9 @@ and the draft forward (`CostModel`). The plan takes the expected-gain-sorted ext
 expected tokens per second, for a batch with and without a draft forward, and keeps the better one.
 B = 1 is a plain decode row: a request whose proposals do not pay costs what plain decoding costs. Where the best
 plan promises little over plain rows, one step in CHECK_EVERY runs plain rows, so the cost model's online fit keeps
-measuring the step it compares against.
+measuring the step it compares against. Where plain rows win for the whole batch (a loaded CPU: a verify token costs
+nearly what a decode row does), the next steps run plain rows unplanned, 1 after the first such plan and up to
+PLAIN_SKIP after PLAIN_SKIP in a row: the decision costs what a plain step costs too (~1.5% at 32 requests).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ REALISED_DECAY = 0.99  # per verified proposal, in the shared ratio of accepted 
 REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted)
 CHECK_EVERY = 16  # a batch whose best plan promises under CHECK_GAIN x the plain rows' rate runs plain rows ...
 CHECK_GAIN = 1.25  # ... once in this many steps, so the cost model keeps measuring what it compares against
+PLAIN_SKIP = 8  # at most this many unplanned plain steps after plans of plain rows only
 LOOKUP_PRIOR = {2: 0.55, 3: 0.65}  # initial acceptance of a lookup proposal by match length (0.8 beyond):
 # measured on held-out greedy responses (data/responses), n = 2: 0.56 0.69 0.78, n = 4: 0.95 0.95 0.98
 
@@ -102,6 +105,9 @@ class SpecPolicy:
         self.realised = {key: [REALISED_PRIOR, REALISED_PRIOR] for key in self.prior}
         self.explore_credit = 0.0  # predicted seconds exploring may still spend (EXPLORE_BUDGET of each step's)
         self.since_plain = 0  # steps since the last one of plain rows only
+        self.plain_plans = 0  # plans in a row of plain rows only ...
+        self.skip = 0  # ... and the unplanned plain steps still due after them
+        self.unplanned = 0  # unplanned steps since the last plan (they earn exploring credit too)
 
     def new_state(self) -> ReqSpecState:
         o = self.options
@@ -112,6 +118,11 @@ class SpecPolicy:
     ) -> list[Plan]:
         """Plans one step. histories: each request's (prompt, outputs) with the bonus last, when the host has
         them up to date (lookup needs them), else None; limits: each request's largest block."""
+        if self.skip and self.options.adaptive:
+            self.skip -= 1
+            self.unplanned += 1
+            self.since_plain = 0
+            return [Plan(NONE, 1) for _ in states]
         lookups = [([], 0)] * len(states)
         if self.options.lookup and histories is not None:
             for st, (prompt, output) in zip(states, histories):
@@ -122,34 +133,48 @@ class SpecPolicy:
                 Plan(LOOKUP, 1 + len(t), t, n) if t else Plan(DFLASH, lim) if lim > 1 else Plan(NONE, 1)
                 for (t, n), lim in zip(lookups, limits)
             ]
-        lookup_gains = [self.gains(st, lookup_key(n), len(t)) if t else [] for st, (t, n) in zip(states, lookups)]
-        dflash_gains = [self.gains(st, DFLASH, lim - 1) for st, lim in zip(states, limits)]
-        best = self._best(lookups, lookup_gains, None)
-        with_draft = self._best(lookups, lookup_gains, dflash_gains)
-        rate, plans = max(best, with_draft, key=lambda x: x[0])
-        plain_rate = len(states) / self.cost.step_time(len(states), 0, len(states))
+        bs = len(states)
+        keys = [lookup_key(n) if t else None for t, n in lookups]
+        look = self.gain_matrix(states, keys, [len(t) for t, _ in lookups])
+        draft = self.gain_matrix(states, [DFLASH] * bs, [lim - 1 for lim in limits])
+        no_draft, with_draft = self._best(lookups, look, None), self._best(lookups, look, draft)
+        rate, seconds, plans = max(no_draft, with_draft, key=lambda x: x[0])
         self.since_plain = 0 if all(p.source == NONE for p in plans) else self.since_plain + 1
-        if self.since_plain >= CHECK_EVERY and rate < CHECK_GAIN * plain_rate:
+        if self.since_plain >= CHECK_EVERY and rate < CHECK_GAIN * bs / self.cost.step_time(bs, 0, bs):
             self.since_plain = 0
             return [Plan(NONE, 1) for _ in states]
-        return self._explore(states, limits, plans)
+        plans = self._explore(states, limits, plans, seconds)
+        self.plain_plans = self.plain_plans + 1 if all(p.source == NONE for p in plans) else 0
+        self.skip = min(self.plain_plans, PLAIN_SKIP)
+        return plans
+
+    def gain_matrix(self, states: list[ReqSpecState], keys: list[str | None], lens: list[int]) -> np.ndarray:
+        """[requests, block_size - 1]: expected extra committed tokens of each request's first lens[i] drafts from
+        the source whose estimates are keys[i] (None: no proposal), 0 beyond: cumulative products of the request's
+        estimates, scaled by what that source's proposals realised against their expectation."""
+        width = self.options.block_size - 1
+        none = [0.0] * width
+        est = np.array([st.accept[k] if k else none for st, k in zip(states, keys)], np.float64).reshape(-1, width)
+        ratio = np.array([self.realised[k][1] / self.realised[k][0] if k else 0.0 for k in keys])
+        gains = np.cumprod(est, axis=1) * ratio[:, None]
+        gains[np.arange(width) >= np.asarray(lens)[:, None]] = 0.0
+        return gains
 
     def gains(self, state: ReqSpecState, key: str, n: int) -> list[float]:
-        """Expected extra committed tokens of a proposal's first n drafts: the request's estimates, scaled by
-        what this source's proposals realised against their expectation."""
-        expected, accepted = self.realised[key]
-        return [g * accepted / expected for g in _prefix_gains(state.accept[key], n)]
+        """One request's row of `gain_matrix`: its first n drafts from `key`."""
+        return self.gain_matrix([state], [key], [n])[0, :n].tolist()
 
-    def _explore(self, states: list[ReqSpecState], limits: list[int], plans: list[Plan]) -> list[Plan]:
+    def _explore(self, states: list[ReqSpecState], limits: list[int], plans: list[Plan], step: float) -> list[Plan]:
         """Keeps learning what DFlash would give the requests that stopped using it, in shared draft forwards;
         the less DFlash's first draft is accepted across requests (the shared prior), the rarer."""
         slow = min(EXPLORE_SLOWEST, max(1.0, EXPLORE_PRIOR / max(self.prior[DFLASH][0], 1e-9)))
         due = [i for i, (st, lim) in enumerate(zip(states, limits))
                if st.since_dflash >= EXPLORE_JOIN * slow and plans[i].source == NONE and lim > 1]
-        drafting = any(p.source == DFLASH for p in plans)
-        step = self._step_time(plans)  # the credit saved up is capped (at ~5 steps at most)
-        self.explore_credit = min(self.explore_credit + EXPLORE_BUDGET * step,
+        drafting = any(p.source == DFLASH for p in plans)  # step: the plans' predicted time
+        # the credit saved up is capped (at ~5 steps at most)
+        self.explore_credit = min(self.explore_credit + EXPLORE_BUDGET * step * (1 + self.unplanned),
                                   EXPLORE_BUDGET * EXPLORE_EVERY * EXPLORE_SLOWEST * step)
+        self.unplanned = 0
         if not due or not (drafting or any(states[i].since_dflash >= EXPLORE_EVERY * slow for i in due)):
             return plans
         explored = list(plans)
@@ -165,38 +190,36 @@ class SpecPolicy:
         """The cost model's time of a step of these plans."""
         return self.cost.step_time(*step_shape(plans))
 
-    def _best(self, lookups, lookup_gains, dflash_gains) -> tuple[float, list[Plan]]:
-        """The best plan of a batch without (dflash_gains None) or with a draft forward: (expected tokens per
-        second, plans). Each row takes the source whose proposal promises more, then the extensions of all rows
-        are taken in order of expected gain (a row's gains never rise, so its blocks grow one token at a time)
-        while they raise the expected tokens per second."""
-        bs = len(lookups)
-        sources, gains = [], []
-        for i, (toks, _) in enumerate(lookups):
-            src, g = (LOOKUP, lookup_gains[i]) if toks else (NONE, [])
-            if dflash_gains is not None and sum(dflash_gains[i]) > sum(g):
-                src, g = DFLASH, dflash_gains[i]
-            sources.append(src)
-            gains.append(g)
-        row = np.repeat(np.arange(bs), [len(g) for g in gains])
-        pos = np.concatenate([np.arange(len(g)) for g in gains]) if len(row) else row
-        flat = np.fromiter((x for g in gains for x in g), np.float64, len(row))
-        order = np.lexsort((pos, -row, -flat))  # by gain; a row's k-th extension before its (k+1)-th
-        row, pos = row[order], pos[order]
+    def _best(self, lookups: list[tuple[list[int], int]], look: np.ndarray, draft: np.ndarray | None
+              ) -> tuple[float, float, list[Plan]]:
+        """The best plan of a batch without (draft None) or with a draft forward: (expected tokens per second,
+        predicted seconds, plans), from the `gain_matrix` of the lookup proposals and of DFlash. Each row takes the
+        source whose proposal promises more, then the extensions of all rows are taken in order of expected gain (a
+        row's gains never rise, so its blocks grow one token at a time) while they raise the expected tokens per
+        second."""
+        bs, width = look.shape
+        use_draft = np.zeros(bs, bool) if draft is None else draft.sum(1) > look.sum(1)
+        gains = look if draft is None else np.where(use_draft[:, None], draft, look)
+        flat = gains.ravel()
+        order = np.argsort(-flat, kind="stable")[: np.count_nonzero(flat > 0)]  # ties: a row's k-th extension first
+        row, pos = np.divmod(order, max(width, 1))
         # the draft forward runs over the DFlash rows, at their longest block
-        is_draft = np.array([s == DFLASH for s in sources], dtype=bool)[row]
+        is_draft = use_draft[row]
         draft_rows = np.cumsum(is_draft & (pos == 0))
         draft_width = np.maximum.accumulate(np.where(is_draft, pos + 2, 0)) if len(row) else row
         drafted = np.concatenate([[0], draft_rows * draft_width])
         expected = bs + np.concatenate([[0.0], np.cumsum(flat[order])])  # one bonus per request + drafts taken
-        rates = expected / self.cost.step_times(bs + np.arange(len(row) + 1), drafted, bs)
+        seconds = self.cost.step_times(bs + np.arange(len(row) + 1), drafted, bs)
+        rates = expected / seconds
         taken = int(np.argmax(rates))
         lens = 1 + np.bincount(row[:taken], minlength=bs)
         plans = []
-        for src, n, (toks, match_n) in zip(sources, lens.tolist(), lookups):
-            src = src if n > 1 else NONE
-            plans.append(Plan(src, n, toks[: n - 1], match_n) if src == LOOKUP else Plan(src, n))
-        return float(rates[taken]), plans
+        for n, drafts, (toks, match_n) in zip(lens.tolist(), use_draft.tolist(), lookups):
+            if n == 1:
+                plans.append(Plan(NONE, 1))
+            else:
+                plans.append(Plan(DFLASH, n) if drafts else Plan(LOOKUP, n, toks[: n - 1], match_n))
+        return float(rates[taken]), float(seconds[taken]), plans
 
     def observe(self, states: list[ReqSpecState], plans: list[Plan], accepted: list[int]) -> None:
         """Updates the estimates from a verified step: request i accepted `accepted[i]` of its drafts."""

@@ -121,7 +121,7 @@ class DFlashWorker:
     def cost_model(self, server_args: ServerArgs, drafter_path: str) -> CostModel:
         """Calibrated once per device, model, drafter, dtype and thread count (cached on disk)."""
         runner = self.target.model_runner
-        key = {"calibration": 7, "kernels": os.environ.get(ENV_VAR, ""), "device": str(self.device),
+        key = {"calibration": 8, "kernels": os.environ.get(ENV_VAR, ""), "device": str(self.device),
                "model": str(runner.model_dir),
                "drafter": str(drafter_path), "dtype": str(runner.dtype), "threads": torch.get_num_threads(),
                "block": self.block_size, "cpu": platform.processor() or platform.machine()}
