@@ -11,16 +11,21 @@ from collections import defaultdict
 import pytest
 from dflash_helpers import (
     CHAT_PROMPTS,
+    SMALL_POOL,
     OracleDrafter,
     ar_engine,
     ar_reference,
     chat_ids,
+    device_engine,
     dflash_engine,
+    target_model_path,
 )
 
 import sglang_dflash.speculative.dflash_step as dflash_step
 from sglang_dflash import Engine
 from sglang_dflash.device import HostCopy
+from sglang_dflash.kernels.decode_attention import reads_runs
+from sglang_dflash.models.packed_linear import bf16_kernel
 from sglang_dflash.speculative.cost_model import CostModel
 
 NEW_TOKENS = 128
@@ -138,6 +143,22 @@ def test_request_level_block_sizes_match_ar(prompts, reference):
     for o, b in zip(outs, blocks):
         hist = o["meta_info"]["spec_accept_histogram"]
         assert len(hist) == (b or 4) and hist[-1] > 0, (b, hist)  # ran with its own block, fully accepted some
+
+
+def test_bf16_matches_bf16_ar_with_the_cpu_kernels(prompts, reference, monkeypatch):
+    """On a CPU with the bf16 linear kernel and the decode-attention kernel, every verified token is multiplied and
+    attended exactly as a decode row (both kernels are batch-invariant per row; verify blocks attend as 1-token
+    rows), so bf16 DFLASH with the defaults (adaptive blocks, context lookup) equals bf16 AR token for token."""
+    ar = device_engine(model_path=target_model_path(), dtype="bfloat16", max_total_tokens=SMALL_POOL)
+    device = ar.scheduler.worker.model_runner.device
+    if bf16_kernel() is None or not reads_runs(device):
+        pytest.skip("needs the C++ bf16 linear and decode-attention kernels (a CPU with AVX512-BF16)")
+    want = ar.generate(input_ids=prompts, sampling_params=GREEDY)
+    engine = fixed_cost(dflash_engine("bfloat16", adaptive=True), monkeypatch)
+    with OracleDrafter(prompts, reference, vocab(engine), 0.1, seed=5).installed(engine.scheduler.worker):
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == [w["output_ids"] for w in want]
+    assert sum(o["meta_info"]["spec_accept_length"] for o in outs) / len(outs) > 1.5  # blocks were verified
 
 
 def test_bf16_emitted_tokens_are_verify_argmax(prompts, reference, monkeypatch):
