@@ -118,7 +118,7 @@ class SpecPolicy:
     ) -> list[Plan]:
         """Plans one step. histories: each request's (prompt, outputs) with the bonus last, when the host has
         them up to date (lookup needs them), else None; limits: each request's largest block."""
-        if self.skip and self.options.adaptive:
+        if self.skip:  # set by adaptive plans only
             self.skip -= 1
             self.unplanned += 1
             self.since_plain = 0
