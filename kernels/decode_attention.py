@@ -54,8 +54,8 @@ def decode_attention(
         from sglang_dflash.kernels.decode_attention_triton import decode_attention_triton
 
         return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
-    if q.device.type == "cpu" and not forced and (ext := cpu_extension("decode_attention")) is not None:
-        return ext.decode_attention(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
+    if reads_runs(q.device):
+        return cpu_extension("decode_attention").decode_attention(q, k_cache, v_cache, req_to_token,
+                                                                  req_pool_indices, seq_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale,
                                   max_seq_len)
