@@ -12,7 +12,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-NAMES = ("decode_attention", "linear_bf16")
+NAMES = ("decode_attention", "linear_bf16", "rms_norm")
 
 
 @functools.cache

@@ -3,6 +3,10 @@
 // share a KV head, and consecutive rows of one request (a verify block's tokens), are done together, so every
 // K/V row is read once per run of rows. Rows of slots are prefetched ahead
 // (the pool is paged: consecutive positions sit in unrelated slots). Accumulation and softmax in float32.
+// With AVX-512 (head dim a multiple of 16) positions go in tiles of 16: a tile's K rows are converted once, each
+// query's 16 dot products are reduced together (one transposing add tree, not 16 horizontal sums), the softmax
+// is vectorised and the weighted V sum accumulates in registers. Every query's arithmetic is the same whatever
+// the other rows of its run, so a row's output does not depend on the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -10,6 +14,10 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -95,6 +103,142 @@ void attend(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache
   }
 }
 
+#if defined(__AVX512F__)
+constexpr int64_t kTile = 16;  // positions per tile (one zmm of scores)
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Lane i of the result = the sum of v[i]'s 16 lanes (a transposing add tree: 45 shuffles and adds for 16 sums).
+inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c, e, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c, e, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp), 16 lanes.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Positions [l0, l0 + m) of one KV head -> tile [kTile, hd] float32 (rows m.. zero), prefetching the next tile.
+template <typename T, typename I>
+inline void load_tile(const T* cache, const I* slots, int64_t l0, int64_t m, int64_t len, int64_t kv_stride,
+                      int64_t hd, float* tile) {
+  for (int64_t i = 0; i < kTile; ++i) {
+    if (l0 + kTile + i < len) prefetch_row(cache + slots[l0 + kTile + i] * kv_stride, hd);
+    float* dst = tile + i * hd;
+    if (i >= m) {
+      std::fill(dst, dst + hd, 0.f);
+      continue;
+    }
+    const T* src = cache + slots[l0 + i] * kv_stride;
+    for (int64_t c = 0; c < hd; c += 16) _mm512_storeu_ps(dst + c, load16(src + c));
+  }
+}
+
+// `attend` in tiles of 16 positions (hd a multiple of 16, at most 256). scores [n * g, len rounded up to 16] and
+// tile [kTile, hd] are scratch; out rows are the accumulators.
+template <typename T, typename I, int64_t HD>
+void attend_tiled(const float* q, int64_t q_stride, const T* k_cache, const T* v_cache, const I* slots,
+                  const int64_t* lens, int64_t n, int64_t kv_stride, int64_t g, int64_t hd_runtime, float scale,
+                  float* scores, float* tile, float* out) {
+  const int64_t hd = HD ? HD : hd_runtime, chunks = hd / 16;
+  const int64_t len = *std::max_element(lens, lens + n), stride = (len + kTile - 1) / kTile * kTile;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t l0 = 0; l0 < len; l0 += kTile) {  // scores: q . k for 16 positions at a time
+    load_tile(k_cache, slots, l0, std::min(kTile, len - l0), len, kv_stride, hd, tile);
+    for (int64_t r = 0; r < n; ++r) {
+      if (lens[r] <= l0) continue;
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = q + r * q_stride + j * hd;
+        __m512 part[kTile];
+        for (int64_t i = 0; i < kTile; ++i) {
+          const float* k = tile + i * hd;
+          __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qj), _mm512_loadu_ps(k));
+          for (int64_t c = 1; c < chunks; ++c)
+            s = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), _mm512_loadu_ps(k + 16 * c), s);
+          part[i] = s;
+        }
+        _mm512_storeu_ps(scores + (r * g + j) * stride + l0, _mm512_mul_ps(sum16(part), vscale));
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {  // softmax over each row's own positions; weights 0 beyond them
+    const int64_t lr = lens[r];
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores + (r * g + j) * stride;
+      float* oj = out + r * q_stride + j * hd;
+      std::fill(oj, oj + hd, 0.f);  // an empty row stays zeros
+      if (lr == 0) continue;
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      for (int64_t l = 0; l < lr; l += 16) {
+        const __mmask16 mask = lr - l >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (lr - l)) - 1u);
+        vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, sj + l));
+      }
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t l = 0; l < stride; l += 16) {
+        const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, lr - l));
+        const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + l), m)));
+        vsum = _mm512_add_ps(vsum, e);
+        _mm512_storeu_ps(sj + l, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+      for (int64_t l = 0; l < lr; l += 16) _mm512_storeu_ps(sj + l, _mm512_mul_ps(_mm512_loadu_ps(sj + l), inv));
+    }
+  }
+  for (int64_t l0 = 0; l0 < len; l0 += kTile) {  // out += p . v, a tile at a time, accumulators in registers
+    const int64_t m = std::min(kTile, len - l0);
+    load_tile(v_cache, slots, l0, m, len, kv_stride, hd, tile);
+    for (int64_t r = 0; r < n; ++r) {
+      if (lens[r] <= l0) continue;
+      for (int64_t j = 0; j < g; ++j) {
+        const float* p = scores + (r * g + j) * stride + l0;
+        float* oj = out + r * q_stride + j * hd;
+        for (int64_t c0 = 0; c0 < chunks; c0 += 4) {  // 4 zmm of the output row at a time
+          const int64_t cn = std::min<int64_t>(4, chunks - c0);
+          __m512 acc[4];
+          for (int64_t c = 0; c < cn; ++c) acc[c] = _mm512_loadu_ps(oj + 16 * (c0 + c));
+          for (int64_t i = 0; i < m; ++i) {
+            const __m512 w = _mm512_set1_ps(p[i]);
+            for (int64_t c = 0; c < cn; ++c)
+              acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(tile + i * hd + 16 * (c0 + c)), acc[c]);
+          }
+          for (int64_t c = 0; c < cn; ++c) _mm512_storeu_ps(oj + 16 * (c0 + c), acc[c]);
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, typename I, int64_t HD>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
@@ -112,14 +256,39 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   for (int64_t b = 1; b < bs; ++b)
     if (rows[b] != rows[b - 1] || b - runs.back() == kMaxRun) runs.push_back(b);
   runs.push_back(bs);
+  // too few tasks to keep every thread busy (one verify block: 3 tasks on 2 threads): split the longest runs
+  while (static_cast<int64_t>(runs.size() - 1) * nkv < 2 * at::get_num_threads()) {
+    int64_t longest = 0;
+    for (size_t i = 1; i + 1 < runs.size(); ++i)
+      if (runs[i + 1] - runs[i] > runs[longest + 1] - runs[longest]) longest = static_cast<int64_t>(i);
+    const int64_t n = runs[longest + 1] - runs[longest];
+    if (n < 2) break;
+    runs.insert(runs.begin() + longest + 1, runs[longest] + n / 2);
+  }
   const int64_t nruns = static_cast<int64_t>(runs.size()) - 1;
+#if defined(__AVX512F__)
+  const bool tiled = hd % 16 == 0 && hd <= 256;
+#else
+  const bool tiled = false;
+#endif
   at::parallel_for(0, nruns * nkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row(hd);
+    std::vector<float> scores, row(tiled ? 16 * hd : hd);
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = runs[w / nkv], n = runs[w / nkv + 1] - b, h = w % nkv, offset = (b * nh + h * g) * hd;
-      scores.resize(n * g * *std::max_element(lens + b, lens + b + n));
-      attend<T, I, HD>(qp + offset, nh * hd, kc + h * hd, vc + h * hd, table + rows[b] * table_stride, lens + b, n,
-                       kv_stride, g, hd, scale, scores.data(), row.data(), op + offset);
+      const int64_t len = *std::max_element(lens + b, lens + b + n);
+      const int64_t* lb = lens + b;
+      const I* slots = table + rows[b] * table_stride;
+#if defined(__AVX512F__)
+      if (tiled) {
+        scores.resize(n * g * ((len + 15) / 16 * 16));
+        attend_tiled<T, I, HD>(qp + offset, nh * hd, kc + h * hd, vc + h * hd, slots, lb, n, kv_stride, g, hd,
+                               scale, scores.data(), row.data(), op + offset);
+        continue;
+      }
+#endif
+      scores.resize(n * g * len);
+      attend<T, I, HD>(qp + offset, nh * hd, kc + h * hd, vc + h * hd, slots, lb, n, kv_stride, g, hd, scale,
+                       scores.data(), row.data(), op + offset);
     }
   });
 }

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang_dflash.kernels.rms_norm import rms_norm
 from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.config import ModelConfig
 from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
@@ -18,7 +19,7 @@ from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with torch's fused kernel (in float32 it equals HF's formula bit for bit)."""
+    """RMSNorm (`kernels.rms_norm`: in float32 torch's fused kernel, which equals HF's formula bit for bit)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -26,7 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):
