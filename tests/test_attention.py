@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sglang_dflash.kernels.backend import ENV_VAR
-from sglang_dflash.kernels.decode_attention import reads_runs
+from sglang_dflash.kernels.decode_attention import attends_in_tiles, reads_runs
 from sglang_dflash.runtime import attention
 from sglang_dflash.runtime.attention import TorchNativeAttnBackend
 from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -37,7 +37,8 @@ LAYOUTS = {"default": None, "padded": (0, 0.0), "hybrid": (0, 0.6), "single-rows
 def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monkeypatch):
     """Whatever the layout (the longest blocks padded as one group, every other token a 1-token row): equal
     to per-request attention. "runs": the C++ decode kernel, which reads a request's consecutive rows together,
-    takes every block up to SMALL_Q tokens as 1-token rows; the others lay out by cost, decode rows in torch."""
+    takes every block up to SMALL_Q tokens as 1-token rows (every block where it attends in tiles); the others lay
+    out by cost, decode rows in torch."""
     if layout == "runs":
         if not reads_runs(torch.device("cpu")):
             pytest.skip("no C++ decode-attention kernel here")
@@ -62,8 +63,9 @@ def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monk
     backend = TorchNativeAttnBackend(NKV, HD)
     meta = backend.init_forward_metadata(fb, req_to_token, torch.float32)
     padded = attention.padded_rows(ext_lens, fb.max_seq_len, attention.group_cost(torch.float32))
-    if layout == "runs":
-        padded = [i for i, n in enumerate(ext_lens) if n > attention.SMALL_Q]
+    if layout == "runs":  # the tiled kernel takes prefill chunks as rows too
+        tiles = attends_in_tiles(torch.device("cpu"), HD)
+        padded = [] if tiles else [i for i, n in enumerate(ext_lens) if n > attention.SMALL_Q]
     assert len(meta.groups) == (2 if 0 < len(padded) < bs else 1)
     if layout == "single-rows":  # only prefill-long rows are padded
         assert padded == [i for i, n in enumerate(ext_lens) if n > attention.SMALL_Q]

@@ -338,4 +338,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }
+// Whether head dims that are multiples of 16 (up to 256) attend in tiles here (built with AVX-512).
+bool tiled() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention);
+  m.def("tiled", &tiled);
+}

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_dflash.device import upload
-from sglang_dflash.kernels.decode_attention import decode_attention, reads_runs
+from sglang_dflash.kernels.decode_attention import attends_in_tiles, decode_attention, reads_runs
 from sglang_dflash.runtime.forward_batch import ForwardBatch
 
 # Up to this many query tokens per request, two small GEMMs + softmax beat CPU SDPA (up to 15x in bf16).
@@ -71,6 +71,8 @@ class TorchNativeAttnBackend:
         (4-16 tokens); about even (+3%) for 4 blocks of 16 alone."""
         lens = fb.extend_seq_lens_cpu
         if max(lens) == 1:
+            padded = []
+        elif attends_in_tiles(fb.input_ids.device, self.head_dim):
             padded = []
         elif reads_runs(fb.input_ids.device):
             padded = [i for i, n in enumerate(lens) if n > SMALL_Q]
