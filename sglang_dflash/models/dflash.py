@@ -126,8 +126,7 @@ class DFlashDraftModel(nn.Module):
         self.lm_head: nn.Linear | None = None
         self.cos_sin_cache: torch.Tensor | None = None  # float32 cat(cos, sin), read by the fused KV kernel
         self.rope: torch.Tensor | None = None  # float32 rope_table: RoPE of the layers runs in float32
-        self.kv_weight: torch.Tensor | None = None
-        self.kv_bias: torch.Tensor | None = None
+        self.kv_proj: nn.Module | None = None  # every layer's k_proj and v_proj stacked (not a parameter)
         self.k_norm_weight: torch.Tensor | None = None
         self.draft_vocab: torch.Tensor | None = None
         self.draft_head: nn.Module | None = None  # the draft vocabulary's rows of the target head (not a parameter)
@@ -144,9 +143,13 @@ class DFlashDraftModel(nn.Module):
         self.cos_sin_cache = build_cos_sin_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, device)
         self.rope = rope_table(self.cos_sin_cache, torch.float32)
         attns = [layer.self_attn for layer in self.layers]
-        self.kv_weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)], 0).detach()
+        weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)], 0).detach()
+        kv_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=cfg.attention_bias, device="meta")
+        kv_proj.weight = nn.Parameter(weight, requires_grad=False)
         if cfg.attention_bias:
-            self.kv_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)], 0).detach()
+            bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)], 0).detach()
+            kv_proj.bias = nn.Parameter(bias, requires_grad=False)
+        object.__setattr__(self, "kv_proj", kv_proj)
         self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns]).detach()
         if cfg.draft_vocab is not None:
             self.draft_vocab = torch.tensor(cfg.draft_vocab, dtype=torch.int64, device=device)
@@ -167,7 +170,7 @@ class DFlashDraftModel(nn.Module):
         """Writes every draft layer's context K/V (`DraftAttention.project_kv` of ctx) with ONE GEMM and the
         fused norm + RoPE kernel."""
         cfg = self.config
-        kv = F.linear(self.project_context(features), self.kv_weight, self.kv_bias)
+        kv = self.kv_proj(self.project_context(features))
         kv = kv.view(-1, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
         materialize_draft_kv(kv, self.k_norm_weight, positions, self.cos_sin_cache, cfg.head_dim, cfg.rms_norm_eps,
                              k_buffer, v_buffer, out_cache_loc)

@@ -63,6 +63,7 @@ def load_drafter(
     draft.prepare_inference(device)
     if can_pack(device, dtype):  # packed bf16 GEMMs on CPU, as the target's
         pack_linears(draft, keep_weight=("fc",))
+        object.__setattr__(draft, "kv_proj", PackedLinear(draft.kv_proj))
         if draft.draft_head is not None:
             object.__setattr__(draft, "draft_head", PackedLinear(draft.draft_head))
     return draft
