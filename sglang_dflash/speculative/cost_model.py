@@ -67,15 +67,26 @@ class CostModel:
     def __init__(self, verify: dict[int, float], draft: dict[int, float]):
         self.verify = Curve(verify)
         self.draft = Curve(draft)
-        self.coef = np.array([1.0, 1.0, 1.0, 0.0, 0.0])  # a, c, b, e, g
+        self._coef = np.array([1.0, 1.0, 1.0, 0.0, 0.0])  # a, c, b, e, g
         # the prior weighs as PRIOR_WEIGHT steps of typical features, and never fades
         spec = self.calibrated(1 + TYPICAL_SPEC_TOKENS, 0) - self.calibrated(1, 0)
         typical = np.array([self.verify.points[0][1], self.draft.points[0][1], spec, float(TYPICAL_SPEC_TOKENS), 1.0])
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
-        self.prior_xy = self.prior_xx @ self.coef
+        self.prior_xy = self.prior_xx @ self._coef
         self.xx = np.zeros((5, 5))
         self.xy = np.zeros(5)
         self.held = (False,) * 5  # the coefficients at their lower bounds in the last fit
+        self.stale = False  # steps observed since the last fit
+
+    @property
+    def coef(self) -> np.ndarray:
+        """(a, c, b, e, g), refit within LOWER_BOUNDS when steps were observed since the last fit (refitting when
+        read, not per step: under load most steps run unplanned and nothing reads it)."""
+        if self.stale:
+            self._coef, self.held = _bounded_solve(self.xx + self.prior_xx, self.xy + self.prior_xy, LOWER_BOUNDS,
+                                                   self.held)
+            self.stale = False
+        return self._coef
 
     def features(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
         """[..., 5]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
@@ -102,14 +113,13 @@ class CostModel:
         return self.features(verify_tokens, draft_tokens, requests) @ self.coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
-        """One measured step: refit (a, c, b, e, g) within LOWER_BOUNDS."""
+        """One measured step (the fit of `coef` follows)."""
         if seconds <= 0:
             return
         x = self.features(verify_tokens, draft_tokens, requests)
         self.xx = FORGET * self.xx + np.outer(x, x)
         self.xy = FORGET * self.xy + x * seconds
-        self.coef, self.held = _bounded_solve(self.xx + self.prior_xx, self.xy + self.prior_xy, LOWER_BOUNDS,
-                                              self.held)
+        self.stale = True
 
     def agrees(self, verify_times: dict[int, float]) -> bool:
         """Whether measured verify times (tokens -> seconds) match this calibration within a factor STALE."""
