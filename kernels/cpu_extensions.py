@@ -16,6 +16,12 @@ NAMES = ("decode_attention", "linear_bf16", "rms_norm")
 
 
 @functools.cache
+def sources_digest() -> str:
+    """A digest of every kernel source: timings measured with other kernels (cached cost models) are stale."""
+    return hashlib.sha256(b"".join((CSRC / f"{name}.cpp").read_bytes() for name in NAMES)).hexdigest()[:8]
+
+
+@functools.cache
 def cpu_extension(name: str):
     """The built extension `csrc/{name}.cpp`, or None when it cannot be built here."""
     from torch.utils.cpp_extension import get_default_build_root, load

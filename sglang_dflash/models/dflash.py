@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from sglang_dflash.kernels import materialize_draft_kv
+from sglang_dflash.kernels.decode_attention import decode_attention, reads_runs
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.llama import MLP, RMSNorm
 from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
@@ -70,7 +71,9 @@ class DraftLayer(nn.Module):
 class PagedBlockAttention:
     """Inference keys: each request's committed context, then its own block (non-causal), read from the
     paged draft KV cache through `kv_indices`; the block's own K/V are written into its slots first (they
-    are rewritten by context K/V once committed)."""
+    are rewritten by context K/V once committed). Where the C++ decode-attention kernel serves (CPU), a block's
+    tokens attend as rows of one run straight from the pool (each K/V row read once for the block); otherwise,
+    and for causal or sliding-window layers (DFlash 2), SDPA over the gathered keys."""
 
     def __init__(
         self, positions: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
@@ -82,11 +85,17 @@ class PagedBlockAttention:
         self.kv_pos = torch.arange(kv_indices.shape[1], device=kv_indices.device)
         self.visible = self.kv_pos[None, :] < kv_lens[:, None]  # [bs, max_kv]
         self.q_pos = positions.view(self.bs, block)
+        self.rows = torch.arange(self.bs, device=kv_indices.device).repeat_interleave(block)  # block token -> request
+        self.row_lens = kv_lens.repeat_interleave(block)
 
     def __call__(self, attn: DraftAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
         k_buffer.index_copy_(0, self.out_cache_loc, k.to(k_buffer.dtype))
         v_buffer.index_copy_(0, self.out_cache_loc, v.to(v_buffer.dtype))
+        if not attn.causal and attn.sliding_window is None and reads_runs(q.device):
+            o = decode_attention(q, k_buffer, v_buffer, self.kv_indices, self.rows, self.row_lens, attn.hd**-0.5,
+                                 self.kv_indices.shape[1])
+            return o.to(q.dtype)
         mask = self.visible[:, None, :]
         offset = self.q_pos[:, :, None] - self.kv_pos[None, None, :]  # query position - key position
         if attn.causal:

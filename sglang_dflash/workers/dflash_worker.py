@@ -18,6 +18,7 @@ import torch
 
 from sglang_dflash.device import synchronize
 from sglang_dflash.kernels.backend import ENV_VAR
+from sglang_dflash.kernels.cpu_extensions import sources_digest
 from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
 from sglang_dflash.sampling.sampler import SamplingBatchInfo, apply_penalties, draw_uniforms, penalty_state
@@ -121,7 +122,8 @@ class DFlashWorker:
     def cost_model(self, server_args: ServerArgs, drafter_path: str) -> CostModel:
         """Calibrated once per device, model, drafter, dtype and thread count (cached on disk)."""
         runner = self.target.model_runner
-        key = {"calibration": 8, "kernels": os.environ.get(ENV_VAR, ""), "device": str(self.device),
+        key = {"calibration": 8, "kernels": os.environ.get(ENV_VAR, ""), "sources": sources_digest(),
+               "device": str(self.device),
                "model": str(runner.model_dir),
                "drafter": str(drafter_path), "dtype": str(runner.dtype), "threads": torch.get_num_threads(),
                "block": self.block_size, "cpu": platform.processor() or platform.machine()}
