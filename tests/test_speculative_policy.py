@@ -73,6 +73,22 @@ def test_cost_model_is_monotone_and_interpolates():
     assert flat.step_time(16, 0, 4) == pytest.approx(2 * 0.05 + 0.005 * 12, rel=0.05)
 
 
+def test_cost_model_fits_the_same_read_late_or_every_step():
+    """Observed steps are folded into the fit when `coef` is read: the same sums, to rounding, as folding each
+    step at once (the newest weighing most)."""
+    rng = random.Random(3)
+    steps = [(r + rng.randrange(0, 20), rng.choice((0, 16, 32)), r, rng.uniform(0.02, 0.2))
+             for r in (rng.randrange(1, 33) for _ in range(300))]
+    every, late = (CostModel({1: 0.05, 16: 0.06, 64: 0.1}, {16: 0.01, 64: 0.03}) for _ in range(2))
+    for step in steps:
+        every.observe(*step)
+        every.coef  # read every step  # noqa: B018
+        late.observe(*step)
+    np.testing.assert_allclose(late.coef, every.coef, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(late.xx, every.xx, rtol=1e-9)
+    np.testing.assert_allclose(late.xy, every.xy, rtol=1e-9)
+
+
 def test_cost_model_learns_the_tile_step_of_a_real_batch():
     """At 32 requests the first speculative token starts a 16-row GEMM tile and costs more than the one-request
     calibration says (measured on CPU: +9% of the step); the fit learns that step, and no step where no tile

@@ -28,6 +28,9 @@ def accept(
     `draft`: the sparse distributions (candidate ids, q) [bs, B, K] the drafts were sampled from; None: every
     draft is a point mass."""
     if info is None or info.all_greedy:
+        if block.width == 1:  # plain decode rows only (most steps under load): nothing to verify
+            bonus = logits.argmax(-1)
+            return torch.zeros_like(bonus), bonus, bonus[:, None]
         return greedy_accept(block.candidates, block.padded(logits.argmax(-1)), block.block_lens)
     reqs = info.sampled_rows
     if len(reqs) == block.batch_size:

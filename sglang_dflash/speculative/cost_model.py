@@ -38,6 +38,7 @@ PRIOR_WEIGHT = 0.2  # the prior (a = b = c = 1, e = g = 0) counts as this many s
 TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
 PROBE_TOKENS = (1, 16)  # verify sizes timed at start-up to check a cached calibration ...
 STALE = 1.3  # ... which is redone when off by more than this factor
+MAX_UNFITTED = 256  # observed steps folded into the fit's sums at the latest after this many
 TILE_ROWS = 16  # the row tile of a CPU GEMM (oneDNN); where the tiles do not step the cost, g stays 0
 LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0, 0.0])  # a, c, b, e, g: more tokens never cost less
 
@@ -76,17 +77,26 @@ class CostModel:
         self.xx = np.zeros((5, 5))
         self.xy = np.zeros(5)
         self.held = (False,) * 5  # the coefficients at their lower bounds in the last fit
-        self.stale = False  # steps observed since the last fit
+        self.unfitted: list[tuple[int, int, int, float]] = []  # steps observed since the last fit
 
     @property
     def coef(self) -> np.ndarray:
-        """(a, c, b, e, g), refit within LOWER_BOUNDS when steps were observed since the last fit (refitting when
-        read, not per step: under load most steps run unplanned and nothing reads it)."""
-        if self.stale:
+        """(a, c, b, e, g), refit within LOWER_BOUNDS from the steps observed since the last fit (when read, not per
+        step: under load most steps run unplanned and nothing reads it)."""
+        if self.unfitted:
+            self._fold()
             self._coef, self.held = _bounded_solve(self.xx + self.prior_xx, self.xy + self.prior_xy, LOWER_BOUNDS,
                                                    self.held)
-            self.stale = False
         return self._coef
+
+    def _fold(self) -> None:
+        """Adds the unfitted steps to the least-squares sums, each weighing FORGET less per later step."""
+        verify, draft, requests, seconds = (np.array(c) for c in zip(*self.unfitted))
+        self.unfitted = []
+        x = self.features(verify, draft, requests)
+        w = FORGET ** np.arange(len(seconds) - 1, -1, -1, dtype=np.float64)
+        self.xx = FORGET ** len(seconds) * self.xx + (x * w[:, None]).T @ x
+        self.xy = FORGET ** len(seconds) * self.xy + (w * seconds) @ x
 
     def features(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
         """[..., 5]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
@@ -113,13 +123,11 @@ class CostModel:
         return self.features(verify_tokens, draft_tokens, requests) @ self.coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
-        """One measured step (the fit of `coef` follows)."""
-        if seconds <= 0:
-            return
-        x = self.features(verify_tokens, draft_tokens, requests)
-        self.xx = FORGET * self.xx + np.outer(x, x)
-        self.xy = FORGET * self.xy + x * seconds
-        self.stale = True
+        """One measured step (`coef` follows when next read)."""
+        if seconds > 0:
+            self.unfitted.append((verify_tokens, draft_tokens, requests, seconds))
+        if len(self.unfitted) >= MAX_UNFITTED:
+            self._fold()
 
     def agrees(self, verify_times: dict[int, float]) -> bool:
         """Whether measured verify times (tokens -> seconds) match this calibration within a factor STALE."""
