@@ -101,6 +101,19 @@ def test_rows_of_one_request_read_together_match_alone(dtype: torch.dtype):
     assert empty.shape == (0, nkv * g, hd)
 
 
+def test_rows_past_the_slot_table_are_refused():
+    """A row longer than its slot table's row (or a row index outside the table) is an error, never a read
+    outside it."""
+    if DEVICE.type != "cpu" or cpu_extension("decode_attention") is None:
+        pytest.skip("the C++ kernel serves CPU engines")
+    k_cache, v_cache = torch.randn(2, 40, 1, 16)
+    table, q = torch.arange(40).view(2, 20), torch.randn(1, 2, 16)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        decode_attention(q, k_cache, v_cache, table, torch.tensor([1]), torch.tensor([21]), 0.25, 21)
+    with pytest.raises(RuntimeError, match="req_pool_indices"):
+        decode_attention(q, k_cache, v_cache, table, torch.tensor([2]), torch.tensor([5]), 0.25, 5)
+
+
 def test_forced_torch_backend_uses_the_reference(monkeypatch):
     """SGLANG_DFLASH_KERNELS=torch routes to the torch reference (bit-identical to calling it)."""
     gen = torch.Generator().manual_seed(0)

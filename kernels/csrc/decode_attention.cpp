@@ -319,6 +319,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   const at::Tensor rows = req_pool_indices.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
+  if (lens.numel()) {  // rows read their slots from req_to_token: never outside it
+    TORCH_CHECK(lens.min().item<int64_t>() >= 0 && lens.max().item<int64_t>() <= req_to_token.size(1),
+                "seq_lens must be within [0, req_to_token.size(1)]");
+    TORCH_CHECK(rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < req_to_token.size(0),
+                "req_pool_indices must index rows of req_to_token");
+  }
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   const float s = static_cast<float>(scale);
   const bool i32 = req_to_token.scalar_type() == at::kInt;

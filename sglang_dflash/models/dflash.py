@@ -86,7 +86,8 @@ class PagedBlockAttention:
         self.visible = self.kv_pos[None, :] < kv_lens[:, None]  # [bs, max_kv]
         self.q_pos = positions.view(self.bs, block)
         self.rows = torch.arange(self.bs, device=kv_indices.device).repeat_interleave(block)  # block token -> request
-        self.row_lens = kv_lens.repeat_interleave(block)
+        # as the mask: no key past kv_indices (an overlapped host's bound can lag the device's lengths)
+        self.row_lens = kv_lens.clamp(max=kv_indices.shape[1]).repeat_interleave(block)
 
     def __call__(self, attn: DraftAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
