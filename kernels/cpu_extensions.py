@@ -10,9 +10,17 @@ from pathlib import Path
 
 import torch
 
+from sglang_dflash.kernels.backend import ENV_VAR
+
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 NAMES = ("decode_attention", "linear_bf16", "rms_norm")
+
+
+def cpu_kernel(name: str):
+    """The built extension `csrc/{name}.cpp` for CPU tensors, or None: not built here, or `SGLANG_DFLASH_KERNELS`
+    forces a backend (torch, or Triton under its interpreter)."""
+    return None if os.environ.get(ENV_VAR, "").strip() else cpu_extension(name)
 
 
 @functools.cache

@@ -6,12 +6,11 @@ On CPU the C++ kernel `csrc/decode_attention.cpp` runs where it builds; on CUDA/
 reference. `SGLANG_DFLASH_KERNELS=triton` forces the Triton kernel (on CPU tensors under TRITON_INTERPRET=1).
 """
 
-import os
 
 import torch
 
-from sglang_dflash.kernels.backend import ENV_VAR, use_triton
-from sglang_dflash.kernels.cpu_extensions import cpu_extension
+from sglang_dflash.kernels.backend import use_triton
+from sglang_dflash.kernels.cpu_extensions import cpu_kernel
 
 
 def decode_attention_torch(
@@ -35,8 +34,7 @@ def decode_attention_torch(
 def reads_runs(device: torch.device) -> bool:
     """Whether `decode_attention` on this device reads K/V once for consecutive rows of one request (the C++
     kernel: a verify block's tokens as 1-token rows cost about one row's reads), not once per row."""
-    forced = os.environ.get(ENV_VAR, "").strip()
-    return device.type == "cpu" and not forced and cpu_extension("decode_attention") is not None
+    return device.type == "cpu" and cpu_kernel("decode_attention") is not None
 
 
 def attends_in_tiles(device: torch.device, head_dim: int) -> bool:
@@ -44,8 +42,7 @@ def attends_in_tiles(device: torch.device, head_dim: int) -> bool:
     of 16 up to 256): a query row then costs no more than inside CPU SDPA, so prefill chunks go as 1-token rows too
     (measured on a 2-core AVX512-BF16 CPU: bf16 prompts of 100-1,500 tokens 17-23% faster than one padded SDPA group,
     float32 within 5%)."""
-    return (reads_runs(device) and head_dim % 16 == 0 and head_dim <= 256
-            and cpu_extension("decode_attention").tiled())
+    return reads_runs(device) and cpu_kernel("decode_attention").tiles(head_dim)
 
 
 def decode_attention(
@@ -64,7 +61,7 @@ def decode_attention(
 
         return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale)
     if reads_runs(q.device):
-        return cpu_extension("decode_attention").decode_attention(q, k_cache, v_cache, req_to_token,
+        return cpu_kernel("decode_attention").decode_attention(q, k_cache, v_cache, req_to_token,
                                                                   req_pool_indices, seq_lens, scale)
     return decode_attention_torch(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scale,
                                   max_seq_len)

@@ -239,6 +239,19 @@ void attend_tiled(const float* q, int64_t q_stride, const T* k_cache, const T* v
 }
 #endif
 
+}  // namespace
+
+// Whether rows of this head dim attend in tiles of 16 positions here (built with AVX-512; a multiple of 16 up to 256).
+bool tiles(int64_t hd) {
+#if defined(__AVX512F__)
+  return hd % 16 == 0 && hd <= 256;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
 template <typename T, typename I, int64_t HD>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, float scale, at::Tensor& out) {
@@ -266,11 +279,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     runs.insert(runs.begin() + longest + 1, runs[longest] + n / 2);
   }
   const int64_t nruns = static_cast<int64_t>(runs.size()) - 1;
-#if defined(__AVX512F__)
-  const bool tiled = hd % 16 == 0 && hd <= 256;
-#else
-  const bool tiled = false;
-#endif
+  const bool tiled = tiles(hd);
   at::parallel_for(0, nruns * nkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(tiled ? 16 * hd : hd);
     for (int64_t w = begin; w < end; ++w) {
@@ -319,11 +328,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   const at::Tensor rows = req_pool_indices.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
-  if (lens.numel()) {  // rows read their slots from req_to_token: never outside it
-    TORCH_CHECK(lens.min().item<int64_t>() >= 0 && lens.max().item<int64_t>() <= req_to_token.size(1),
-                "seq_lens must be within [0, req_to_token.size(1)]");
-    TORCH_CHECK(rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < req_to_token.size(0),
-                "req_pool_indices must index rows of req_to_token");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lens.numel(); ++b) {  // rows read their slots from req_to_token: never outside it
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= req_to_token.size(1), "seq_lens must be within [0, req_to_token.size(1)]");
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < req_to_token.size(0), "req_pool_indices must index rows of req_to_token");
   }
   at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
   const float s = static_cast<float>(scale);
@@ -344,16 +353,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-// Whether head dims that are multiples of 16 (up to 256) attend in tiles here (built with AVX-512).
-bool tiled() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
-  m.def("tiled", &tiled);
+  m.def("tiles", &tiles);
 }
