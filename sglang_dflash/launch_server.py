@@ -55,6 +55,9 @@ def make_parser() -> ArgumentParser:
         action="store_const", const=True)
     add("--enable-overlap-schedule", "run the overlapped scheduler loop (the default on GPUs)",
         action="store_const", const=True)
+    add("--enable-deterministic-inference", "batch-invariant kernels: a request's tokens do not depend on what "
+        "else is batched with it (bf16 DFLASH then equals AR token for token; slower on CPUs with AMX)",
+        action="store_const", const=True)
     add("--disable-radix-cache", "no radix prefix cache: every request prefills its whole prompt",
         action="store_const", const=True)
     add("--enable-cache-report", "report the prompt tokens served by the prefix cache in OpenAI responses "

@@ -110,13 +110,14 @@ def random_drafter_path() -> Path:
 
 
 @functools.cache
-def dflash_engine(dtype: str = "float32", block: int | None = None, adaptive: bool = False) -> Engine:
+def dflash_engine(dtype: str = "float32", block: int | None = None, adaptive: bool = False,
+                  **kwargs: object) -> Engine:
     """The test target with the random drafter; `block` is the engine-level block size (None: 16).
     Fixed blocks and DFlash proposals only unless `adaptive` (then adaptive blocks + context lookup)."""
     return device_engine(
         model_path=target_model_path(), dtype=dtype, max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH",
         speculative_draft_model_path=str(random_drafter_path()), speculative_num_draft_tokens=block,
-        speculative_adaptive=adaptive, speculative_lookup=adaptive,
+        speculative_adaptive=adaptive, speculative_lookup=adaptive, **kwargs,
     )
 
 

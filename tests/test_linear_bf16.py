@@ -1,6 +1,7 @@
 """The AVX512-BF16 linear kernel (`kernels/csrc/linear_bf16.cpp`) through `PackedLinear`, against a float64
 linear on random weights: odd shapes (K not even, N not a multiple of 16), with and without bias, 1-130 rows,
-non-contiguous and 3-d inputs. Skipped on CPUs without AVX512-BF16 (oneDNN packs there)."""
+non-contiguous and 3-d inputs, with the batch-invariant dispatch and the default one. Skipped on CPUs without
+AVX512-BF16 (oneDNN packs there)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import pytest
 import torch
 from torch import nn
 
-from sglang_dflash.models.packed_linear import PackedLinear, bf16_kernel
+from sglang_dflash.models.packed_linear import PackedLinear, bf16_kernel, has_amx
 
 pytestmark = pytest.mark.skipif(bf16_kernel() is None, reason="no AVX512-BF16 kernel on this CPU")
 
 
 @pytest.mark.parametrize("shape", [(96, 160), (97, 35), (576, 1536), (1536, 576), (64, 8)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_float64_linear(shape: tuple[int, int], bias: bool):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_matches_float64_linear(shape: tuple[int, int], bias: bool, batch_invariant: bool):
+    """Both dispatches (on AMX CPUs the default hands batches of ONEDNN_FROM_ROWS rows and more to oneDNN)."""
     k, n = shape
     gen = torch.Generator().manual_seed(k * n)
     lin = nn.Linear(k, n, bias=bias)
@@ -24,8 +27,8 @@ def test_matches_float64_linear(shape: tuple[int, int], bias: bool):
         if bias:
             lin.bias.copy_(torch.randn(n, generator=gen))
     lin = lin.bfloat16()
-    packed = PackedLinear(lin)
-    assert packed.kernel is not None
+    packed = PackedLinear(lin, batch_invariant=batch_invariant)
+    assert packed.kernel is not None and (packed.onednn is None) == (batch_invariant or not has_amx())
     for m in (1, 2, 7, 8, 9, 16, 17, 33, 130):
         x = torch.randn(m, 2 * k, generator=gen).bfloat16()[:, ::2]  # non-contiguous rows
         ref = nn.functional.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
@@ -39,10 +42,11 @@ def test_matches_float64_linear(shape: tuple[int, int], bias: bool):
 
 def test_a_row_does_not_depend_on_its_batch():
     """Rows split evenly over the passes of a weight block (33 rows: 7 7 7 6 6); each row's sums run in the same
-    order whatever the batch, so its output is bit-identical alone or among others."""
+    order whatever the batch, so its output is bit-identical alone or among others (batch_invariant: our kernel
+    for every batch size)."""
     gen = torch.Generator().manual_seed(1)
     lin = nn.Linear(576, 200, bias=False).bfloat16()
-    packed = PackedLinear(lin)
+    packed = PackedLinear(lin, batch_invariant=True)
     x = torch.randn(41, 576, generator=gen).bfloat16()
     whole = packed(x)
     for rows in (slice(0, 1), slice(0, 9), slice(0, 17), slice(0, 33), slice(5, 6), slice(3, 36)):

@@ -148,13 +148,16 @@ def test_request_level_block_sizes_match_ar(prompts, reference):
 def test_bf16_matches_bf16_ar_with_the_cpu_kernels(prompts, reference, monkeypatch):
     """On a CPU with the bf16 linear kernel and the decode-attention kernel, every verified token is multiplied and
     attended exactly as a decode row (both kernels are batch-invariant per row; verify blocks attend as 1-token
-    rows), so bf16 DFLASH with the defaults (adaptive blocks, context lookup) equals bf16 AR token for token."""
-    ar = device_engine(model_path=target_model_path(), dtype="bfloat16", max_total_tokens=SMALL_POOL)
+    rows), so with --enable-deterministic-inference (our linear kernel at every batch size, also where oneDNN's
+    AMX GEMM would be faster) bf16 DFLASH with the defaults (adaptive blocks, context lookup) equals bf16 AR token
+    for token."""
+    ar = device_engine(model_path=target_model_path(), dtype="bfloat16", max_total_tokens=SMALL_POOL,
+                       enable_deterministic_inference=True)
     device = ar.scheduler.worker.model_runner.device
     if bf16_kernel() is None or not reads_runs(device):
         pytest.skip("needs the C++ bf16 linear and decode-attention kernels (a CPU with AVX512-BF16)")
     want = ar.generate(input_ids=prompts, sampling_params=GREEDY)
-    engine = fixed_cost(dflash_engine("bfloat16", adaptive=True), monkeypatch)
+    engine = fixed_cost(dflash_engine("bfloat16", adaptive=True, enable_deterministic_inference=True), monkeypatch)
     with OracleDrafter(prompts, reference, vocab(engine), 0.1, seed=5).installed(engine.scheduler.worker):
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == [w["output_ids"] for w in want]

@@ -45,6 +45,7 @@ def build_components(args: ServerArgs) -> tuple[TokenizerManager, Scheduler]:
         args.model_path, device, args.torch_dtype, args.max_total_tokens, args.max_running_requests,
         args.context_length, tokens_past_committed=reach, mem_fraction_static=args.mem_fraction_static,
         extra_kv_bytes_per_token=draft_kv_bytes, reserved_bytes=draft_weight_bytes,
+        batch_invariant=args.enable_deterministic_inference,
     )
     worker = TpModelWorker(runner)
     if block is not None:

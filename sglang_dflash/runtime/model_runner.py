@@ -47,12 +47,14 @@ class ModelRunner:
         mem_fraction_static: float | None = None,
         extra_kv_bytes_per_token: int = 0,
         reserved_bytes: int = 0,
+        batch_invariant: bool = False,
     ):
         """tokens_past_committed: positions a decode step may touch from a request's committed length on (1
         for plain decoding; 2 speculative blocks + 1: the block in flight and the next); req_to_token rows
         are that much wider than the context and the context shrinks to keep positions in the rope table.
         max_total_tokens None: CPU_KV_TOKENS on cpu, else as many as mem_fraction_static leaves room for, with
-        `extra_kv_bytes_per_token` (a draft pool sharing the slots) and `reserved_bytes` (weights still to load)."""
+        `extra_kv_bytes_per_token` (a draft pool sharing the slots) and `reserved_bytes` (weights still to load).
+        batch_invariant: linears whose rows do not depend on the batch (see models/packed_linear.py)."""
         t0 = time.perf_counter()
         self.device = device
         self.dtype = dtype
@@ -69,7 +71,7 @@ class ModelRunner:
         model.init_rope(device)
         model.eval().requires_grad_(False)
         if can_pack(device, dtype):
-            pack_linears(model, keep_weight=("lm_head",))
+            pack_linears(model, keep_weight=("lm_head",), batch_invariant=batch_invariant)
         self.model = model
         if max_total_tokens is None:
             max_total_tokens = CPU_KV_TOKENS

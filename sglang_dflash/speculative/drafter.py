@@ -51,7 +51,7 @@ def resolve_block_size(requested: int | None, drafter_block: int) -> int:
 
 def load_drafter(
     path: str | Path, device: torch.device, dtype: torch.dtype, target_config, embed_tokens: nn.Module,
-    lm_head: nn.Module,
+    lm_head: nn.Module, batch_invariant: bool = False,
 ) -> DFlashDraftModel:
     """Loads a DFlash checkpoint (DFlash 1 or 2, as its config's `architectures` says), checks it against the
     target and binds the target's embedding and head."""
@@ -62,8 +62,8 @@ def load_drafter(
     draft.bind_target(embed_tokens, lm_head)
     draft.prepare_inference(device)
     if can_pack(device, dtype):  # packed bf16 GEMMs on CPU, as the target's
-        pack_linears(draft, keep_weight=("fc",))
-        object.__setattr__(draft, "kv_proj", PackedLinear(draft.kv_proj))
+        pack_linears(draft, keep_weight=("fc",), batch_invariant=batch_invariant)
+        object.__setattr__(draft, "kv_proj", PackedLinear(draft.kv_proj, batch_invariant=batch_invariant))
         if draft.draft_head is not None:
-            object.__setattr__(draft, "draft_head", PackedLinear(draft.draft_head))
+            object.__setattr__(draft, "draft_head", PackedLinear(draft.draft_head, batch_invariant=batch_invariant))
     return draft

@@ -42,7 +42,7 @@ class DFlashWorker:
         self.device = runner.device
         model = runner.model
         draft = load_drafter(drafter_path, self.device, runner.dtype, runner.model_config, model.model.embed_tokens,
-                             model.lm_head)
+                             model.lm_head, server_args.enable_deterministic_inference)
         cfg = draft.config
         self.block_size = block_size
         self.capture_layer_ids = tuple(cfg.target_layer_ids)

@@ -98,7 +98,8 @@ class DFlashSGLangWorker(BaseSpecWorker):
         model = runner.model
         target_cfg = runner.model_config.hf_text_config
         self.draft = load_drafter(path, self.device, runner.dtype, target_cfg, model.model.embed_tokens,
-                                  TargetHead(model.lm_head.weight))
+                                  TargetHead(model.lm_head.weight),
+                                  bool(getattr(server_args, "enable_deterministic_inference", False)))
         cfg = self.draft.config
         if max(cfg.target_layer_ids) > target_cfg.num_hidden_layers - 2:
             raise ValueError(f"SGLang captures target layers 0..{target_cfg.num_hidden_layers - 2} only, "
