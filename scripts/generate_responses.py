@@ -9,12 +9,13 @@ past the prompts already used (--start-index), so every session adds data instea
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 
 from sglang_dflash import Engine
-from sglang_dflash.training.datagen import generate_responses
+from sglang_dflash.training.datagen import generate_responses, load_shards
 
 
 def main() -> None:
@@ -30,13 +31,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 where native, else float32")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or xpu")
+    ap.add_argument("--time-budget-s", type=float, default=None, help="stop after this long (unfinished dropped)")
+    ap.add_argument("--skip-done-in", type=Path, nargs="*", default=[],
+                    help="response dirs whose prompts are not regenerated (e.g. data/responses from a scratch --out)")
+    ap.add_argument("--stats", type=Path, default=None, help="write this run's records, tokens, seconds (JSON)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine(model_path=args.model_path, device=args.device, dtype=args.dtype,
                     max_running_requests=args.max_running_requests, max_total_tokens=args.max_running_requests * 1200)
-    generate_responses(engine, args.prompts, args.out, args.num_prompts, args.shard_size, args.max_new_tokens,
-                       window=2 * args.max_running_requests, start=args.start_index)
+    stats = generate_responses(engine, args.prompts, args.out, args.num_prompts, args.shard_size,
+                               args.max_new_tokens, window=2 * args.max_running_requests, start=args.start_index,
+                               time_budget_s=args.time_budget_s,
+                               skip_ids=frozenset(r["id"] for d in args.skip_done_in for r in load_shards(d)))
+    engine.shutdown()
+    print(json.dumps(stats))
+    if args.stats:
+        args.stats.write_text(json.dumps(stats, indent=2))
 
 
 if __name__ == "__main__":

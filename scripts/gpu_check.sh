@@ -25,15 +25,7 @@ mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd -P)
 unset TRITON_INTERPRET SGLANG_DFLASH_KERNELS
 export SGLANG_DFLASH_TEST_DEVICE=$DEVICE
 
-# pyproject.toml maps sglang_dflash.kernels to kernels/ and sglang_dflash.scheduler to scheduler/, which only an
-# install applies. Rebuild that mapping with symlinks in a temp dir and run Python from there: `python -m` puts
-# the working directory first on sys.path, so the checkout's own sglang_dflash/ must not be the working directory.
-PKG_ROOT=$(mktemp -d)
-trap 'rm -rf "$PKG_ROOT"' EXIT
-mkdir "$PKG_ROOT/sglang_dflash"
-ln -s "$ROOT"/sglang_dflash/* "$ROOT/kernels" "$ROOT/scheduler" "$PKG_ROOT/sglang_dflash/"
-export PYTHONPATH="$PKG_ROOT${PYTHONPATH:+:$PYTHONPATH}"
-cd "$PKG_ROOT"
+source "$ROOT/scripts/bare_checkout.sh"
 
 kernel_args=() bench_args=() decode_args=()
 lossless_tests=("$ROOT/tests/test_lossless_greedy.py" "$ROOT/tests/test_lossless_sampling.py")

@@ -23,7 +23,7 @@ from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=Path("data/responses"))
+    ap.add_argument("--data", type=Path, nargs="+", default=[Path("data/responses")], help="response shard dirs")
     ap.add_argument("--out", type=Path, default=Path("runs/smollm2-dflash"))
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
     ap.add_argument("--threads", type=int, default=None)
@@ -41,8 +41,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(out_dir=str(args.out), **{k: v for k, v in vars(args).items() if k in fields and k != "out_dir"})
-    records = load_shards(args.data)
-    print(f"{len(records)} training records from {args.data}", flush=True)
+    def load() -> list[dict]:
+        return [r for d in args.data for r in load_shards(d)]
+
+    records = load()
+    print(f"{len(records)} training records from {', '.join(map(str, args.data))}", flush=True)
     latest = args.out / "latest"
     resuming = (latest / "train_state.pt").is_file()
     trainer = DFlashTrainer(cfg, records, resume_dir=latest if resuming else None)
@@ -51,7 +54,7 @@ def main() -> None:
     print(f"{len(trainer.data.order)} train / {len(trainer.data.dev)} dev records; draft vocab coverage "
           f"{trainer.data.vocab_coverage(trainer.draft.config.draft_vocab)}", flush=True)
     (args.out / "train_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    trainer.run(args.max_steps, log_path=args.out / "history.jsonl", reload=lambda: load_shards(args.data))
+    trainer.run(args.max_steps, log_path=args.out / "history.jsonl", reload=load)
 
 
 if __name__ == "__main__":

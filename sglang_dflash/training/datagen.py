@@ -79,20 +79,26 @@ class ShardWriter:
 
 def generate_responses(
     engine, prompts_path: Path, out_dir: Path, num_prompts: int, shard_size: int, max_new_tokens: int, window: int,
-    start: int = 0,
-) -> None:
-    """Prompts [start, start + num_prompts) of the prompt file (indices seed the sampling, so a range
-    regenerates the same records whatever else was generated)."""
+    start: int = 0, time_budget_s: float | None = None, skip_ids: frozenset[str] = frozenset(),
+) -> dict:
+    """Prompts [start, start + num_prompts) of the prompt file but those in `out_dir` already or in `skip_ids`
+    (indices seed the sampling, so a range regenerates the same records whatever else was generated). After
+    `time_budget_s` it stops: the finished records are written, the unfinished ones dropped (aborted). Returns
+    this run's records, output tokens and seconds."""
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = list(enumerate(load_prompts(prompts_path)))[start : start + num_prompts]
-    done = {r["id"] for r in load_shards(out_dir)}
+    done = {r["id"] for r in load_shards(out_dir)} | skip_ids
     todo = [(i, p) for i, p in prompts if p["id"] not in done]
     writer = ShardWriter(out_dir, shard_size)
     scheduler, tm = engine.scheduler, engine.tokenizer_manager
     live: dict[str, tuple[dict, list[int], dict, object]] = {}
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="responses", unit="prompt")
-    tokens, t0 = 0, time.perf_counter()
+    tokens, written, t0 = 0, 0, time.perf_counter()
     while todo or live:
+        if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            for rid in live:
+                scheduler.abort_request(rid)
+            break
         while todo and len(live) < window:
             i, p = todo.pop(0)
             ids = tm.chat_ids([{"role": "user", "content": p["prompt"]}])
@@ -106,6 +112,7 @@ def generate_responses(
             writer.write({"id": p["id"], "source": p["source"], "prompt_ids": ids, "response_ids": req.output_ids,
                           "finish": req.finished_reason["type"], "sampling": params})
             tokens += len(req.output_ids)
+            written += 1
             bar.update(1)
         live_tokens = sum(len(v[3].output_ids) for v in live.values())
         bar.set_postfix(tok_s=f"{(tokens + live_tokens) / (time.perf_counter() - t0):.0f}", refresh=False)
@@ -114,3 +121,4 @@ def generate_responses(
     manifest = {"prompts": str(prompts_path), "start": start, "num_prompts": len(prompts), "shard_size": shard_size,
                 "max_new_tokens": max_new_tokens}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return {"records": written, "output_tokens": tokens, "seconds": round(time.perf_counter() - t0, 1)}

@@ -76,6 +76,11 @@ class TrainConfig:
     selector_top_k: int = 8
     selector_loss_weight: float = 1.0
     device: str = "cpu"  # cpu, cuda or xpu: the target's features, the draft and the dev evaluation
+    # wall-clock budget: after the first steps total_steps shrinks to what fits (the lr schedule follows)
+    time_budget_s: float | None = None
+
+
+BUDGET_PROBE_STEPS = 5  # steps timed before a time budget sets total_steps (evaluations come on top)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -266,8 +271,15 @@ class DFlashTrainer:
         t0, tok0 = time.perf_counter(), self.tokens_seen
         if self.step == 0 and cfg.init_from:
             self.evaluate({"step": 0, "init_from": cfg.init_from}, 0.0, log_path)
+        first, probe_t0 = self.step, time.perf_counter()
         while self.step < end:
             stats = self.train_step()
+            if cfg.time_budget_s and self.step - first == BUDGET_PROBE_STEPS:
+                per_step = (time.perf_counter() - probe_t0) / BUDGET_PROBE_STEPS
+                fits = max(BUDGET_PROBE_STEPS, int((cfg.time_budget_s - (probe_t0 - t0)) / per_step))
+                cfg.total_steps = min(cfg.total_steps, first + fits)
+                end = min(end, cfg.total_steps)
+                bar.total = cfg.total_steps
             bar.update(1)
             rate = (self.tokens_seen - tok0) / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{rate:.0f}", data=len(self.data.order))
