@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from sglang_dflash.training.datagen import load_shards
-from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig
+from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig, add_config_flags, config_overrides
 
 
 def main() -> None:
@@ -27,20 +27,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/smollm2-dflash"))
     ap.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
     ap.add_argument("--threads", type=int, default=None)
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in ("out_dir",):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", "bool | None"):
-            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=f.default)
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            ap.add_argument(flag, type=kind, default=f.default)
+    add_config_flags(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(out_dir=str(args.out), **{k: v for k, v in vars(args).items() if k in fields and k != "out_dir"})
+    cfg = TrainConfig(out_dir=str(args.out), **config_overrides(args))
     def load() -> list[dict]:
         return [r for d in args.data for r in load_shards(d)]
 

@@ -6,7 +6,10 @@ warm start from a DFlash 1 checkpoint."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +21,12 @@ from sglang_dflash.models.dflash2 import DFlash2Config
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.training.block_attention import draft_blocks_forward
 from sglang_dflash.training.data import is_dev_record
+from sglang_dflash.training.datagen import write_shard
 from sglang_dflash.training.feature_cache import FeatureCache
 from sglang_dflash.training.loss import block_labels, position_weights, selector_candidates, weighted_block_loss
-from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig
+from sglang_dflash.training.trainer import BUDGET_PROBE_STEPS, DFlashTrainer, TrainConfig, lr_at
 
+ROOT = Path(__file__).resolve().parent.parent
 VOCAB, BLOCK, MASK = 48, 4, 5
 DFLASH2 = dict(architecture="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=4, selector_top_k=4)
 ARCHITECTURES = pytest.mark.parametrize("arch", [{}, DFLASH2], ids=["dflash", "dflash2"])
@@ -352,3 +357,39 @@ def test_dflash1_checkpoint_warm_starts_dflash2_exactly(tiny_target: Path, tmp_p
     assert layer.attention_conv.kernel_projection.weight.abs().sum() > 0
     assert selector.hidden_projection.weight.abs().sum() > 0
     assert isinstance(DFlashConfig.load(tmp_path / "b" / "latest"), DFlash2Config)
+
+
+def test_time_budget_shrinks_total_steps(tiny_target: Path, tmp_path: Path):
+    """After BUDGET_PROBE_STEPS timed steps, total_steps becomes what fits the budget (here: the probe alone), and
+    the lr schedule ends there."""
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, total_steps=1000, time_budget_s=1e-6), records(12, 5))
+    trainer.run()
+    assert trainer.step == trainer.cfg.total_steps == BUDGET_PROBE_STEPS
+    assert lr_at(trainer.step, trainer.cfg) == 0.0
+
+
+def test_scaling_curve_trains_nested_sizes_on_one_dev_set(tiny_target: Path, tmp_path: Path):
+    """scripts/scaling_curve.py at tiny size: one run per size on nested subsets, the same held-out records, a fit
+    and a plot; a second invocation reuses the finished sizes."""
+    data = records(300, seed=6)
+    (tmp_path / "data").mkdir()
+    write_shard(tmp_path / "data" / "shard_00000.npz", data)
+    dev_ids = [r["id"] for r in data if is_dev_record(r["id"])][:2]
+    assert len(dev_ids) == 2
+    cmd = [sys.executable, str(ROOT / "scripts" / "scaling_curve.py"), "--data", str(tmp_path / "data"),
+           "--out", str(tmp_path / "out"), "--sizes", "4,8", "--epochs", "1", "--min-steps", "2", "--dev-size", "2",
+           "--model-path", str(tiny_target), "--num-layers", "2", "--num-target-layers-used", "2",
+           "--block-size", str(BLOCK), "--mask-token-id", str(MASK), "--anchors-per-seq", "4", "--max-len", "64",
+           "--seqs-per-step", "2", "--autocast-bf16", "false"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    summary = json.loads((tmp_path / "out" / "scaling.json").read_text())
+    assert [r["size"] for r in summary["results"]] == [4, 8] and [r["steps"] for r in summary["results"]] == [2, 4]
+    assert all(math.isfinite(r["dev_tau_teacher_forced"]) for r in summary["results"])
+    assert math.isfinite(summary["fit"]["b"]) and (tmp_path / "out" / "scaling.png").stat().st_size > 0
+    states = [torch.load(tmp_path / "out" / f"size_{n}" / "latest" / "train_state.pt", weights_only=False)
+              for n in (4, 8)]
+    assert all(state["dev"] == dev_ids for state in states)
+    assert set(states[0]["order"]) < set(states[1]["order"])  # nested subsets
+    before = (tmp_path / "out" / "size_8" / "result.json").stat().st_mtime_ns
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    assert (tmp_path / "out" / "size_8" / "result.json").stat().st_mtime_ns == before

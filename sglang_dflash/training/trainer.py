@@ -8,6 +8,8 @@ features divided by their per-dimension RMS (measured once on training data); se
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import time
@@ -78,6 +80,24 @@ class TrainConfig:
     device: str = "cpu"  # cpu, cuda or xpu: the target's features, the draft and the dev evaluation
     # wall-clock budget: after the first steps total_steps shrinks to what fits (the lr schedule follows)
     time_budget_s: float | None = None
+
+
+def add_config_flags(ap: argparse.ArgumentParser, skip: tuple[str, ...] = ("out_dir",)) -> None:
+    """A --flag per TrainConfig field but `skip` (default None: the field's own default applies)."""
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", "bool | None"):
+            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+        else:
+            ap.add_argument(flag, type={"int": int, "float": float}.get(str(f.type).split(" ")[0], str), default=None)
+
+
+def config_overrides(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields given on the command line (add_config_flags)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in vars(args).items() if k in fields and v is not None}
 
 
 BUDGET_PROBE_STEPS = 5  # steps timed before a time budget sets total_steps (evaluations come on top)

@@ -1,0 +1,123 @@
+"""How held-out tau grows with training data: one drafter trained from scratch per data size, same recipe.
+
+The sizes are nested subsets of the training records (one fixed shuffle, the hash dev split left out), each
+trained for `--epochs` passes over its subset (steps = size x epochs / sequences per step, at least
+`--min-steps`), and all measured on the same held-out set: the first `--dev-size` dev records (teacher-forced tau
+from every position of their greedy responses) and, with `--worker-prompts N`, the real DFlashWorker's tau on N of
+their prompts. A least-squares fit tau = a + b ln(size) extrapolates to 10x the largest size. JSON + PNG; runs
+resume per size (a size whose drafter is in OUT is not trained again).
+
+    nohup python scripts/scaling_curve.py --sizes 2000,5000,10000,20000 --epochs 4 --out runs/scaling \
+        > runs/scaling.log 2>&1 &
+Any TrainConfig field is a flag as in train_dflash.py (--seqs-per-step, --anchors-per-seq, --lr, --device ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+
+from sglang_dflash.training.data import is_dev_record
+from sglang_dflash.training.datagen import load_shards
+from sglang_dflash.training.trainer import DFlashTrainer, TrainConfig, add_config_flags, config_overrides
+
+FIXED = ("out_dir", "total_steps", "dev_size", "eval_every", "ckpt_every", "init_from", "eval_worker_prompts")
+
+
+def nested_subset(records: list[dict], size: int, seed: int) -> list[dict]:
+    """The first `size` training records of one fixed shuffle (so every subset contains the smaller ones)."""
+    train = sorted((r for r in records if not is_dev_record(r["id"])), key=lambda r: r["id"])
+    random.Random(f"{seed}-scaling").shuffle(train)
+    return train[:size]
+
+
+def train_size(records: list[dict], dev: list[dict], size: int, args, overrides: dict) -> dict:
+    """Trains one drafter on `size` records (resuming an unfinished run) and returns its final evaluation."""
+    subset = nested_subset(records, size, overrides.get("seed", 0))
+    steps = max(args.min_steps, math.ceil(len(subset) * args.epochs / overrides.get("seqs_per_step", 4)))
+    out = args.out / f"size_{size}"
+    result_path = out / "result.json"
+    if result_path.is_file():
+        return json.loads(result_path.read_text())
+    cfg = TrainConfig(out_dir=str(out), total_steps=steps, dev_size=len(dev), eval_every=steps, ckpt_every=100,
+                      eval_worker_prompts=args.worker_prompts, **overrides)
+    latest = out / "latest"
+    trainer = DFlashTrainer(cfg, dev + subset, resume_dir=latest if (latest / "train_state.pt").is_file() else None)
+    trainer.run(log_path=out / "history.jsonl")
+    last = trainer.history[-1]
+    result = {"size": len(subset), "steps": steps, "tokens_seen": trainer.tokens_seen,
+              "dev_tau_teacher_forced": last["dev_tau_teacher_forced"], "dev_tau": last.get("dev_tau"),
+              "wall_s": last["wall_s"]}
+    result_path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def fit_log(sizes: list[int], taus: list[float]) -> tuple[float, float]:
+    """(a, b) of tau = a + b ln(size), least squares."""
+    b, a = np.polyfit(np.log(sizes), taus, 1)
+    return float(a), float(b)
+
+
+def plot(results: list[dict], a: float, b: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["size"] for r in results]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(sizes, [r["dev_tau_teacher_forced"] for r in results], "o", label="teacher-forced, held-out")
+    if all(r["dev_tau"] is not None for r in results):
+        ax.plot(sizes, [r["dev_tau"] for r in results], "s", label="DFlashWorker, held-out prompts")
+    xs = np.geomspace(min(sizes), 10 * max(sizes), 50)
+    ax.plot(xs, a + b * np.log(xs), "--", label=f"fit {a:.2f} + {b:.3f} ln(n)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training responses")
+    ax.set_ylabel("tau (B = 16)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, nargs="+", default=[Path("data/responses")])
+    ap.add_argument("--out", type=Path, default=Path("runs/scaling"))
+    ap.add_argument("--sizes", default="2000,5000,10000,20000")
+    ap.add_argument("--epochs", type=float, default=4.0)
+    ap.add_argument("--min-steps", type=int, default=50)
+    ap.add_argument("--dev-size", type=int, default=40)
+    ap.add_argument("--worker-prompts", type=int, default=0)
+    add_config_flags(ap, skip=FIXED)
+    args = ap.parse_args()
+    overrides = {k: v for k, v in config_overrides(args).items() if k not in FIXED}  # --dev-size is ours
+    records = [r for d in args.data for r in load_shards(d)]
+    greedy_dev = [r for r in records if is_dev_record(r["id"]) and r["sampling"].get("temperature", 1.0) == 0]
+    dev = greedy_dev[: args.dev_size]
+    available = sum(not is_dev_record(r["id"]) for r in records)
+    sizes = [s for s in map(int, args.sizes.split(",")) if s <= available]
+    if len(sizes) < 2:
+        raise SystemExit(f"a curve needs two sizes of at most the {available} training records, got {args.sizes}")
+    print(f"{len(records)} records, {available} for training, {len(dev)} held out; sizes {sizes}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [train_size(records, dev, size, args, overrides) for size in sizes]
+    a, b = fit_log([r["size"] for r in results], [r["dev_tau_teacher_forced"] for r in results])
+    summary = {"results": results, "fit": {"a": a, "b": b, "form": "tau = a + b ln(size)",
+                                           "at_10x": a + b * math.log(10 * results[-1]["size"])},
+               "epochs": args.epochs, "overrides": overrides, "dev_size": len(dev)}
+    (args.out / "scaling.json").write_text(json.dumps(summary, indent=2))
+    plot(results, a, b, args.out / "scaling.png")
+    for r in results:
+        print(f"{r['size']:>7} responses  {r['steps']:>6} steps  teacher-forced tau {r['dev_tau_teacher_forced']:.3f}"
+              + (f"  worker tau {r['dev_tau']:.2f}" if r["dev_tau"] is not None else ""))
+    print(f"fit: tau = {a:.3f} + {b:.4f} ln(n); at 10x the largest: {summary['fit']['at_10x']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
