@@ -55,8 +55,9 @@ def make_parser() -> ArgumentParser:
         action="store_const", const=True)
     add("--enable-overlap-schedule", "run the overlapped scheduler loop (the default on GPUs)",
         action="store_const", const=True)
-    add("--enable-deterministic-inference", "batch-invariant kernels: a request's tokens do not depend on what "
-        "else is batched with it (bf16 DFLASH then equals AR token for token; slower on CPUs with AMX)",
+    add("--enable-deterministic-inference", "bf16 on CPUs with AVX512-BF16: our batch-invariant linear kernel at "
+        "every batch size, so a request's tokens do not depend on what else is batched with it (bf16 DFLASH equals "
+        "AR token for token; slower on CPUs with AMX); elsewhere it changes nothing",
         action="store_const", const=True)
     add("--disable-radix-cache", "no radix prefix cache: every request prefills its whole prompt",
         action="store_const", const=True)

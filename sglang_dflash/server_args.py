@@ -33,7 +33,7 @@ class ServerArgs:
     speculative_lookup_min_match: int = 2
     speculative_lookup_max_match: int = 4
     disable_overlap_schedule: bool | None = None  # None: per device, the faster loop (plain on CPU)
-    enable_deterministic_inference: bool = False  # batch-invariant kernels: a row's output ignores its batch
+    enable_deterministic_inference: bool = False  # bf16 CPU linears batch-invariant (models/packed_linear.py)
     disable_radix_cache: bool = False  # no prefix cache: every request prefills its whole prompt
     enable_cache_report: bool = False  # server: usage.prompt_tokens_details.cached_tokens in OpenAI responses
     host: str = "127.0.0.1"

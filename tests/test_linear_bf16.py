@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from sglang_dflash.models.packed_linear import PackedLinear, bf16_kernel, has_amx
+from sglang_dflash.models import packed_linear
+from sglang_dflash.models.packed_linear import PackedLinear, bf16_kernel
 
 pytestmark = pytest.mark.skipif(bf16_kernel() is None, reason="no AVX512-BF16 kernel on this CPU")
 
@@ -17,8 +18,10 @@ pytestmark = pytest.mark.skipif(bf16_kernel() is None, reason="no AVX512-BF16 ke
 @pytest.mark.parametrize("shape", [(96, 160), (97, 35), (576, 1536), (1536, 576), (64, 8)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("batch_invariant", [True, False])
-def test_matches_float64_linear(shape: tuple[int, int], bias: bool, batch_invariant: bool):
-    """Both dispatches (on AMX CPUs the default hands batches of ONEDNN_FROM_ROWS rows and more to oneDNN)."""
+def test_matches_float64_linear(shape: tuple[int, int], bias: bool, batch_invariant: bool, monkeypatch):
+    """Both dispatches: batch-invariant, and AMX's (batches of ONEDNN_FROM_ROWS rows and more to oneDNN; forced here
+    on CPUs without AMX too, where oneDNN's bf16 GEMM runs on AVX512-BF16)."""
+    monkeypatch.setattr(packed_linear, "has_amx", lambda: True)
     k, n = shape
     gen = torch.Generator().manual_seed(k * n)
     lin = nn.Linear(k, n, bias=bias)
@@ -28,7 +31,7 @@ def test_matches_float64_linear(shape: tuple[int, int], bias: bool, batch_invari
             lin.bias.copy_(torch.randn(n, generator=gen))
     lin = lin.bfloat16()
     packed = PackedLinear(lin, batch_invariant=batch_invariant)
-    assert packed.kernel is not None and (packed.onednn is None) == (batch_invariant or not has_amx())
+    assert packed.kernel is not None and (packed.onednn is None) == batch_invariant
     for m in (1, 2, 7, 8, 9, 16, 17, 33, 130):
         x = torch.randn(m, 2 * k, generator=gen).bfloat16()[:, ::2]  # non-contiguous rows
         ref = nn.functional.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())

@@ -360,11 +360,11 @@ def test_dflash1_checkpoint_warm_starts_dflash2_exactly(tiny_target: Path, tmp_p
 
 
 def test_time_budget_shrinks_total_steps(tiny_target: Path, tmp_path: Path):
-    """After BUDGET_PROBE_STEPS timed steps, total_steps becomes what fits the budget (here: the probe alone), and
-    the lr schedule ends there."""
+    """After the first step and BUDGET_PROBE_STEPS timed ones, total_steps becomes what fits the budget (here: those
+    alone), and the lr schedule ends there."""
     trainer = DFlashTrainer(train_config(tmp_path, tiny_target, total_steps=1000, time_budget_s=1e-6), records(12, 5))
     trainer.run()
-    assert trainer.step == trainer.cfg.total_steps == BUDGET_PROBE_STEPS
+    assert trainer.step == trainer.cfg.total_steps == 1 + BUDGET_PROBE_STEPS
     assert lr_at(trainer.step, trainer.cfg) == 0.0
 
 

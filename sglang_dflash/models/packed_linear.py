@@ -39,6 +39,7 @@ def bf16_kernel():
 
 
 def has_amx() -> bool:
+    """The CPU has AMX tiles (oneDNN's bf16 GEMM then runs on them)."""
     cpu = getattr(torch, "cpu", None)
     return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)())
 
@@ -55,8 +56,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W packed for our bf16 kernel or in oneDNN's blocked layout. `keep_weight` keeps the
-    plain `weight` too (for a tied or shared lm_head); otherwise only the packed copy is held."""
+    """y = x W^T + b with W packed for our bf16 kernel, in oneDNN's blocked layout, or both (AMX CPUs, see the module
+    docstring). `keep_weight` keeps the plain `weight` too (for a tied or shared lm_head)."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, batch_invariant: bool = False):
         super().__init__()

@@ -41,11 +41,13 @@ class TrainData:
         self.dev_open = True
 
     def add(self, records: list[dict]) -> int:
-        """Adds records not seen before (dev ones to the dev set while it is open; the rest to the end of
+        """Adds records of ids not seen before (dev ones to the dev set while it is open; the rest to the end of
         this epoch's order, shuffled); returns how many training records were added."""
-        new = [r for r in records if r["response_ids"] and r["id"] not in self.records]
-        for r in new:
-            self.records[r["id"]] = r
+        new = []
+        for r in records:  # an id seen twice (in two response dirs, say) counts once
+            if r["response_ids"] and r["id"] not in self.records:
+                self.records[r["id"]] = r
+                new.append(r)
         if self.dev_open:
             self.dev += [r for r in new if is_dev_record(r["id"])][: max(0, self.dev_size - len(self.dev))]
         fresh = [r["id"] for r in new if not is_dev_record(r["id"])]

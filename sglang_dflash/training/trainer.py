@@ -100,7 +100,8 @@ def config_overrides(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k in fields and v is not None}
 
 
-BUDGET_PROBE_STEPS = 5  # steps timed before a time budget sets total_steps (evaluations come on top)
+BUDGET_PROBE_STEPS = 5  # steps timed (after the first) before a time budget sets total_steps (evaluations and a
+# resumed run's re-plan come on top)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -294,9 +295,11 @@ class DFlashTrainer:
         first, probe_t0 = self.step, time.perf_counter()
         while self.step < end:
             stats = self.train_step()
-            if cfg.time_budget_s and self.step - first == BUDGET_PROBE_STEPS:
+            if self.step - first == 1:  # the first step pays one-off set-up (allocator, kernels): not timed
+                probe_t0 = time.perf_counter()
+            if cfg.time_budget_s and self.step - first == 1 + BUDGET_PROBE_STEPS:
                 per_step = (time.perf_counter() - probe_t0) / BUDGET_PROBE_STEPS
-                fits = max(BUDGET_PROBE_STEPS, int((cfg.time_budget_s - (probe_t0 - t0)) / per_step))
+                fits = max(1 + BUDGET_PROBE_STEPS, int((cfg.time_budget_s - (probe_t0 - t0)) / per_step))
                 cfg.total_steps = min(cfg.total_steps, first + fits)
                 end = min(end, cfg.total_steps)
                 bar.total = cfg.total_steps
