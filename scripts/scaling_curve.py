@@ -57,13 +57,51 @@ def train_size(records: list[dict], dev: list[dict], size: int, args, overrides:
     return result
 
 
+def one_pass(records: list[dict], dev: list[dict], sizes: list[int], args, overrides: dict) -> list[dict]:
+    """ONE run over the largest subset at a constant learning rate (after the warm-up), evaluated each time it
+    has trained on `size` responses: every point is one epoch over its (nested) subset, compute growing with
+    data. Far cheaper than a run per size; resumes from its last checkpoint (results kept per size)."""
+    seqs = overrides.get("seqs_per_step", 4)
+    subset = nested_subset(records, max(sizes), overrides.get("seed", 0))
+    out = args.out / "one_pass"
+    results_path = out / "results.json"
+    done = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    cfg = TrainConfig(out_dir=str(out), total_steps=math.ceil(len(subset) / seqs), dev_size=len(dev),
+                      eval_every=10**9, ckpt_every=100, eval_worker_prompts=args.worker_prompts,
+                      **{**overrides, "lr_schedule": "constant"})
+    latest = out / "latest"
+    trainer = DFlashTrainer(cfg, dev + subset, resume_dir=latest if (latest / "train_state.pt").is_file() else None)
+    for size in sizes:
+        steps = math.ceil(size / seqs)
+        if str(size) in done or trainer.step > steps:
+            continue
+        trainer.run(max_steps=steps - trainer.step, log_path=out / "history.jsonl")
+        last = trainer.history[-1]
+        done[str(size)] = {"size": size, "steps": steps, "tokens_seen": trainer.tokens_seen,
+                           "dev_tau_teacher_forced": last["dev_tau_teacher_forced"], "dev_tau": last.get("dev_tau"),
+                           "wall_s": last["wall_s"]}
+        trainer.save(f"size_{size}")
+        results_path.write_text(json.dumps(done, indent=2))
+    return [done[str(s)] for s in sizes if str(s) in done]
+
+
+def reference_tau(reference: Path, dev: list[dict], args, overrides: dict) -> dict:
+    """A finished drafter (e.g. the shipped one) measured on the same held-out records as the curve."""
+    cfg = TrainConfig(out_dir=str(args.out / "reference"), init_from=str(reference), total_steps=0,
+                      dev_size=len(dev), eval_worker_prompts=args.worker_prompts, **overrides)
+    stats = {"step": 0, "drafter": str(reference)}
+    DFlashTrainer(cfg, dev).evaluate(stats, 0.0, None)
+    return {"drafter": str(reference), "dev_tau_teacher_forced": stats["dev_tau_teacher_forced"],
+            "dev_tau": stats.get("dev_tau")}
+
+
 def fit_log(sizes: list[int], taus: list[float]) -> tuple[float, float]:
     """(a, b) of tau = a + b ln(size), least squares."""
     b, a = np.polyfit(np.log(sizes), taus, 1)
     return float(a), float(b)
 
 
-def plot(results: list[dict], a: float, b: float, path: Path) -> None:
+def plot(results: list[dict], a: float, b: float, path: Path, reference: dict | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,6 +114,9 @@ def plot(results: list[dict], a: float, b: float, path: Path) -> None:
         ax.plot(sizes, [r["dev_tau"] for r in results], "s", label="DFlashWorker, held-out prompts")
     xs = np.geomspace(min(sizes), 10 * max(sizes), 50)
     ax.plot(xs, a + b * np.log(xs), "--", label=f"fit {a:.2f} + {b:.3f} ln(n)")
+    if reference:
+        ax.axhline(reference["dev_tau_teacher_forced"], color="gray", lw=1,
+                   label=f"{Path(reference['drafter']).name}, teacher-forced")
     ax.set_xscale("log")
     ax.set_xlabel("training responses")
     ax.set_ylabel("tau (B = 16)")
@@ -91,9 +132,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/scaling"))
     ap.add_argument("--sizes", default="2000,5000,10000,20000")
     ap.add_argument("--epochs", type=float, default=4.0)
+    ap.add_argument("--one-pass", action="store_true",
+                    help="one run, evaluated as it passes each size (one epoch per point; see one_pass())")
     ap.add_argument("--min-steps", type=int, default=50)
     ap.add_argument("--dev-size", type=int, default=40)
     ap.add_argument("--worker-prompts", type=int, default=0)
+    ap.add_argument("--reference", type=Path, default=None, help="a drafter measured on the same held-out set")
     add_config_flags(ap, skip=FIXED)
     args = ap.parse_args()
     overrides = {k: v for k, v in config_overrides(args).items() if k not in FIXED}  # --dev-size is ours
@@ -106,17 +150,26 @@ def main() -> None:
         raise SystemExit(f"a curve needs two sizes of at most the {available} training records, got {args.sizes}")
     print(f"{len(records)} records, {available} for training, {len(dev)} held out; sizes {sizes}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [train_size(records, dev, size, args, overrides) for size in sizes]
+    if args.one_pass:
+        results = one_pass(records, dev, sizes, args, overrides)
+    else:
+        results = [train_size(records, dev, size, args, overrides) for size in sizes]
+    if len(results) < 2:
+        raise SystemExit(f"{len(results)} size(s) measured so far; rerun the same command to go on")
     a, b = fit_log([r["size"] for r in results], [r["dev_tau_teacher_forced"] for r in results])
+    reference = reference_tau(args.reference, dev, args, overrides) if args.reference else None
     summary = {"results": results, "fit": {"a": a, "b": b, "form": "tau = a + b ln(size)",
                                            "at_10x": a + b * math.log(10 * results[-1]["size"])},
-               "epochs": args.epochs, "overrides": overrides, "dev_size": len(dev)}
+               "epochs": 1 if args.one_pass else args.epochs, "one_pass": args.one_pass, "overrides": overrides,
+               "dev_size": len(dev), "reference": reference}
     (args.out / "scaling.json").write_text(json.dumps(summary, indent=2))
-    plot(results, a, b, args.out / "scaling.png")
+    plot(results, a, b, args.out / "scaling.png", reference)
     for r in results:
         print(f"{r['size']:>7} responses  {r['steps']:>6} steps  teacher-forced tau {r['dev_tau_teacher_forced']:.3f}"
               + (f"  worker tau {r['dev_tau']:.2f}" if r["dev_tau"] is not None else ""))
     print(f"fit: tau = {a:.3f} + {b:.4f} ln(n); at 10x the largest: {summary['fit']['at_10x']:.2f}")
+    if reference:
+        print(f"reference {reference['drafter']}: teacher-forced tau {reference['dev_tau_teacher_forced']:.3f}")
 
 
 if __name__ == "__main__":

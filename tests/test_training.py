@@ -390,6 +390,52 @@ def test_scaling_curve_trains_nested_sizes_on_one_dev_set(tiny_target: Path, tmp
               for n in (4, 8)]
     assert all(state["dev"] == dev_ids for state in states)
     assert set(states[0]["order"]) < set(states[1]["order"])  # nested subsets
+    summary_8 = summary["results"][1]
     before = (tmp_path / "out" / "size_8" / "result.json").stat().st_mtime_ns
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     assert (tmp_path / "out" / "size_8" / "result.json").stat().st_mtime_ns == before
+    # --one-pass: one run, evaluated as it passes each size, constant lr; a rerun measures nothing again
+    one = [*cmd, "--one-pass", "--sizes", "4,8,12"]
+    subprocess.run(one, check=True, capture_output=True, timeout=300)
+    summary = json.loads((tmp_path / "out" / "scaling.json").read_text())
+    assert summary["one_pass"] and [r["steps"] for r in summary["results"]] == [2, 4, 6]
+    history = [json.loads(line) for line in (tmp_path / "out" / "one_pass" / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [2, 4, 6] and len({h["lr"] for h in history}) == 1
+    state = torch.load(tmp_path / "out" / "one_pass" / "latest" / "train_state.pt", weights_only=False)
+    assert state["dev"] == dev_ids and len(state["order"]) == 12
+    before = (tmp_path / "out" / "one_pass" / "results.json").stat().st_mtime_ns
+    subprocess.run([*one, "--reference", str(tmp_path / "out" / "size_8" / "latest")], check=True,
+                   capture_output=True, timeout=300)
+    assert (tmp_path / "out" / "one_pass" / "results.json").stat().st_mtime_ns == before
+    reference = json.loads((tmp_path / "out" / "scaling.json").read_text())["reference"]
+    assert reference["dev_tau_teacher_forced"] == pytest.approx(summary_8["dev_tau_teacher_forced"], abs=1e-6)
+
+
+def test_target_labels_are_the_targets_greedy_next_tokens(tiny_target: Path, tmp_path: Path):
+    """labels='target': each label is the target's argmax after the prefix before it (checked against one forward
+    per prefix), so a response that is the target's greedy continuation keeps its labels and a random one does not."""
+    from sglang_dflash.training.features import target_pass
+
+    trainer = DFlashTrainer(train_config(tmp_path / "a", tiny_target, labels="target"), records(6, seed=7))
+    layers = tuple(trainer.draft.config.target_layer_ids)
+    rec = trainer.data.records[trainer.data.order[0]]
+    ids, plen = trainer.data.sequence(rec)
+    (feats,), (greedy_next,) = trainer.features([rec], [ids], greedy_next=True)
+    expect = [int(target_pass(trainer.runner, [ids[:p]], layers, greedy_next=True)[1][0][-1])
+              for p in range(plen, len(ids))]
+    assert greedy_next[plen - 1 : -1].tolist() == expect
+    anchors = torch.arange(plen, len(ids) - 1)
+    _, _, labels, _ = trainer.block_outputs(ids, feats, anchors, greedy_next)
+    assert labels[:, 0].tolist() == expect[1:]  # label 1 of the block at anchor a: the argmax after ids[:a+1]
+    greedy = dict(rec, id="greedy", response_ids=[])
+    for _ in range(12):  # the target's greedy continuation, token by token
+        seq = greedy["prompt_ids"] + greedy["response_ids"]
+        nxt = int(target_pass(trainer.runner, [seq], layers, greedy_next=True)[1][0][-1])
+        greedy["response_ids"] = greedy["response_ids"] + [nxt]
+    relabeled = []
+    for name, data in (("b", [greedy, dict(greedy, id="greedy2")]), ("c", records(2, seed=8))):
+        cfg = train_config(tmp_path / name, tiny_target, labels="target", dev_size=0)
+        relabeled.append(DFlashTrainer(cfg, data).train_step()["relabeled"])
+    assert relabeled[0] == 0 and relabeled[1] > 0.5, relabeled
+    with pytest.raises(ValueError, match="feature-cache"):
+        DFlashTrainer(train_config(tmp_path / "d", tiny_target, labels="target", feature_cache=str(tmp_path)), [])

@@ -11,8 +11,11 @@ from sglang_dflash.training.feature_cache import FeatureCache
 
 
 @torch.inference_mode()
-def target_features(runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple[int, ...]) -> list[torch.Tensor]:
-    """[len(seq), K*H] features per sequence, computed as one ragged EXTEND batch."""
+def target_pass(
+    runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple[int, ...], greedy_next: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """[len(seq), K*H] features per sequence, computed as one ragged EXTEND batch, and with `greedy_next` the
+    target's greedy next token after every position ([len(seq)] argmax of its logits) from the same pass."""
     rows = [runner.req_to_token_pool.alloc() for _ in seqs]
     slots = runner.token_to_kv_pool_allocator.alloc(sum(map(len, seqs)))
     if slots is None or None in rows:
@@ -24,27 +27,40 @@ def target_features(runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple
             start += len(s)
         fb = ForwardBatch.build(
             ForwardMode.EXTEND, [t for s in seqs for t in s], rows, [0] * len(seqs), [len(s) for s in seqs],
-            runner.req_to_token_pool.req_to_token, runner.device, logits="none", capture_layer_ids=layer_ids,
+            runner.req_to_token_pool.req_to_token, runner.device, logits="all" if greedy_next else "none",
+            capture_layer_ids=layer_ids,
         )
-        hidden = runner.forward(fb).hidden_states
-        return list(hidden.split([len(s) for s in seqs]))
+        out = runner.forward(fb)
+        lens = [len(s) for s in seqs]
+        nexts = list(out.next_token_logits.argmax(-1).split(lens)) if greedy_next else None
+        return list(out.hidden_states.split(lens)), nexts
     finally:
         runner.token_to_kv_pool_allocator.free(slots)
         for row in rows:
             runner.req_to_token_pool.free(row)
 
 
+def target_features(runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple[int, ...]) -> list[torch.Tensor]:
+    """[len(seq), K*H] features per sequence (target_pass without the next tokens)."""
+    return target_pass(runner, seqs, layer_ids)[0]
+
+
 class TrainingFeatures:
     """Target features of training records, rounded to bfloat16 (as the cache stores them, so a run with
     the cache trains exactly like one without): from the cache when there is one (computing and adding the
-    missing ones in one batch), otherwise computed."""
+    missing ones in one batch), otherwise computed; uncached, also the target's greedy next tokens."""
 
     def __init__(self, runner: ModelRunner, layer_ids: tuple[int, ...], cache: FeatureCache | None):
         self.runner, self.layer_ids, self.cache = runner, layer_ids, cache
 
-    def __call__(self, recs: list[dict], seqs: list[list[int]]) -> list[torch.Tensor]:
+    def __call__(
+        self, recs: list[dict], seqs: list[list[int]], greedy_next: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if greedy_next and self.cache is not None:
+            raise ValueError("the feature cache holds no next tokens: target labels train without --feature-cache")
         if self.cache is None:
-            return [f.to(torch.bfloat16) for f in target_features(self.runner, seqs, self.layer_ids)]
+            feats, nexts = target_pass(self.runner, seqs, self.layer_ids, greedy_next)
+            return [f.to(torch.bfloat16) for f in feats], nexts
         device = self.runner.device
         found = [self.cache.get(r["id"]) for r in recs]
         found = [None if f is None else f.to(device) for f in found]
@@ -53,7 +69,7 @@ class TrainingFeatures:
             for i, f in zip(missing, target_features(self.runner, [seqs[i] for i in missing], self.layer_ids)):
                 found[i] = f.to(torch.bfloat16)
                 self.cache.put(recs[i]["id"], found[i])
-        return found
+        return found, None
 
     @torch.no_grad()
     def rms(self, seqs: list[list[int]], batch: int) -> torch.Tensor:

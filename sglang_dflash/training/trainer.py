@@ -54,10 +54,14 @@ class TrainConfig:
     seqs_per_step: int = 4
     total_steps: int = 2000
     lr: float = 1e-3
+    lr_schedule: str = "cosine"  # after the warm-up: "cosine" to 0 at total_steps, or "constant"
     warmup_frac: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float | None = None
+    # "data": the response's own next tokens; "target": the target's greedy next token after each position of the
+    # same pass (what greedy verification accepts; differs from the data on sampled responses)
+    labels: str = "data"
     draft_vocab_size: int | None = 8192
     ckpt_every: int = 100
     eval_every: int = 100
@@ -108,6 +112,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     warm = max(1, int(cfg.total_steps * cfg.warmup_frac))
     if step < warm:
         return cfg.lr * (step + 1) / warm
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
     t = (step - warm) / max(1, cfg.total_steps - warm)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
@@ -118,6 +124,11 @@ class DFlashTrainer:
         vocabulary, weights, optimizer, data order and RNG state)."""
         if cfg.attention == "flex":  # measured: torch 2.13 raises NotImplementedError in flex backward on CPU
             raise ValueError("attention='flex' needs a GPU: flex_attention has no backward on CPU; use 'sdpa'")
+        if cfg.labels not in ("data", "target") or cfg.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"labels must be 'data' or 'target' (got {cfg.labels!r}), lr_schedule 'cosine' or "
+                             f"'constant' (got {cfg.lr_schedule!r})")
+        if cfg.labels == "target" and cfg.feature_cache:
+            raise ValueError("labels='target' needs the target's logits every step: train without --feature-cache")
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -189,11 +200,14 @@ class DFlashTrainer:
         return dcfg
 
     # ---- one sequence ----
-    def block_outputs(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor):
+    def block_outputs(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor,
+                      greedy_next: torch.Tensor | None = None):
         """Of every anchor block's predicted rows 1..B-1: normed states x [m, B-1, H], logits [m, B-1, V]
-        (draft vocabulary), labels [m, B-1] (draft ids, -100 = ignore) and the gold predecessors [m, B-1]."""
+        (draft vocabulary), labels [m, B-1] (draft ids, -100 = ignore) and the gold predecessors [m, B-1].
+        `greedy_next` [len(ids)]: the target's greedy next tokens, the labels instead of the data's own."""
         block = self.cfg.block_size
         input_ids = torch.tensor(ids, device=self.device)
+        gold = input_ids if greedy_next is None else torch.cat([input_ids[:1], greedy_next[:-1].to(self.device)])
         anchors = anchors.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             feats = feats.float() / self.feature_scale
@@ -201,14 +215,16 @@ class DFlashTrainer:
             x = self.draft.norm(h).view(len(anchors), block, -1)[:, 1:]
             logits = F.linear(x.flatten(0, 1), self.head.to(x.dtype))  # 2-D GEMM, not bmm
             logits = self.draft.shape_logits(logits).view(len(anchors), block - 1, -1)
-        labels = block_labels(input_ids, anchors, block)
+        labels = block_labels(gold, anchors, block)
         if self.label_index is not None:
             labels = torch.where(labels >= 0, self.label_index[labels.clamp_min(0)], -100)
-        prev = block_labels(input_ids, anchors - 1, block).clamp_min(0)  # x_a .. x_(a+B-2)
+        prev = block_labels(gold, anchors - 1, block).clamp_min(0)  # each label's predecessor: x_a, then labels
+        prev[:, 0] = input_ids[anchors]
         return x, logits, labels, prev
 
-    def sequence_loss(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        x, logits, labels, prev = self.block_outputs(ids, feats, anchors)
+    def sequence_loss(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor,
+                      greedy_next: torch.Tensor | None = None) -> torch.Tensor:
+        x, logits, labels, prev = self.block_outputs(ids, feats, anchors, greedy_next)
         loss = weighted_block_loss(logits, labels, self.weights)
         if isinstance(self.draft.config, DFlash2Config):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -221,17 +237,20 @@ class DFlashTrainer:
         cfg = self.cfg
         recs = self.data.next_batch(cfg.seqs_per_step)
         seqs = [self.data.sequence(r) for r in recs]
-        feats = self.features(recs, [s for s, _ in seqs])
+        feats, nexts = self.features(recs, [s for s, _ in seqs], greedy_next=cfg.labels == "target")
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, cfg)
         self.opt.zero_grad(set_to_none=True)
-        total, count = 0.0, 0
-        for (ids, plen), f in zip(seqs, feats):
+        total, count, relabeled, response_tokens = 0.0, 0, 0, 0
+        for i, ((ids, plen), f) in enumerate(zip(seqs, feats)):
             anchors = sample_anchors(plen, len(ids), cfg.anchors_per_seq, self.gen)
             if len(anchors) == 0:
                 continue
-            loss = self.sequence_loss(ids, f.clone(), anchors)
+            loss = self.sequence_loss(ids, f.clone(), anchors, None if nexts is None else nexts[i])
             (loss / len(seqs)).backward()
+            if nexts is not None:  # response tokens that are not the target's greedy choice
+                relabeled += int((nexts[i][plen - 1 : -1].cpu() != torch.tensor(ids[plen:])).sum())
+                response_tokens += len(ids) - plen
             total += loss.item()
             count += 1
             self.tokens_seen += len(ids)
@@ -239,7 +258,10 @@ class DFlashTrainer:
         self.opt.step()
         self.step += 1
         lr = lr_at(self.step - 1, cfg)
-        return {"step": self.step, "loss": total / max(count, 1), "grad_norm": float(norm), "lr": lr}
+        stats = {"step": self.step, "loss": total / max(count, 1), "grad_norm": float(norm), "lr": lr}
+        if nexts is not None:
+            stats["relabeled"] = relabeled / max(response_tokens, 1)
+        return stats
 
     # ---- evaluation ----
     @torch.no_grad()
@@ -252,7 +274,7 @@ class DFlashTrainer:
         seqs = [self.data.sequence(r) for r in greedy]
         for start in range(0, len(seqs), batch):
             chunk = seqs[start : start + batch]
-            feats = self.features(greedy[start : start + batch], [s for s, _ in chunk])
+            feats, _ = self.features(greedy[start : start + batch], [s for s, _ in chunk])
             for (ids, plen), f in zip(chunk, feats):
                 if len(ids) - 1 <= plen:  # no response left within max_len
                     continue
