@@ -108,20 +108,22 @@ def plot(results: list[dict], a: float, b: float, path: Path, reference: dict | 
     import matplotlib.pyplot as plt
 
     sizes = [r["size"] for r in results]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     ax.plot(sizes, [r["dev_tau_teacher_forced"] for r in results], "o", label="teacher-forced, held-out")
     if all(r["dev_tau"] is not None for r in results):
         ax.plot(sizes, [r["dev_tau"] for r in results], "s", label="DFlashWorker, held-out prompts")
     xs = np.geomspace(min(sizes), 10 * max(sizes), 50)
     ax.plot(xs, a + b * np.log(xs), "--", label=f"fit {a:.2f} + {b:.3f} ln(n)")
     if reference:
-        ax.axhline(reference["dev_tau_teacher_forced"], color="gray", lw=1,
-                   label=f"{Path(reference['drafter']).name}, teacher-forced")
+        name = Path(reference["drafter"]).name
+        ax.axhline(reference["dev_tau_teacher_forced"], color="gray", lw=1, label=f"{name}, teacher-forced")
+        if reference["dev_tau"] is not None:
+            ax.axhline(reference["dev_tau"], color="gray", lw=1, ls=":", label=f"{name}, DFlashWorker")
     ax.set_xscale("log")
     ax.set_xlabel("training responses")
     ax.set_ylabel("tau (B = 16)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
