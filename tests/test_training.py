@@ -216,7 +216,7 @@ def test_feature_cache_trains_exactly_like_fresh_features(tiny_target: Path, tmp
                             cfg.max_len)
     assert not reopened.pending and {r["id"] for r in data} <= set(reopened.where)
     ids, _ = cached.data.sequence(data[0])
-    torch.testing.assert_close(reopened.get(data[0]["id"]), cached.features(data[:1], [ids])[0], rtol=0, atol=0)
+    torch.testing.assert_close(reopened.get(data[0]["id"]), cached.features(data[:1], [ids])[0][0], rtol=0, atol=0)
 
 
 def test_new_records_join_the_epoch_and_the_draft_vocab_survives_resume(tiny_target: Path, tmp_path: Path):
@@ -346,7 +346,7 @@ def test_dflash1_checkpoint_warm_starts_dflash2_exactly(tiny_target: Path, tmp_p
     with torch.no_grad():
         for rec in recs:
             ids, plen = first.data.sequence(rec)
-            feats = first.features([rec], [ids])[0]
+            feats = first.features([rec], [ids])[0][0]
             anchors = torch.arange(plen, len(ids) - 1)
             _, logits1, labels1, _ = first.block_outputs(ids, feats, anchors)
             _, logits2, labels2, _ = second.block_outputs(ids, feats, anchors)
