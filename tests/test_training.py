@@ -281,6 +281,28 @@ def test_init_from_a_written_drafter_continues_the_same_function(tiny_target: Pa
     assert [h["step"] for h in second.history] == [0, 1] and 1.0 <= second.history[0]["dev_tau_teacher_forced"] <= BLOCK
 
 
+def test_init_layers_from_the_target_copies_its_last_layers(tiny_target: Path, tmp_path: Path):
+    """init_layers='target': draft layer i is target layer N - n + i, and the context path passes the last
+    captured layer's hidden state through the input norm of the layer after it."""
+    from sglang_dflash.models.llama import RMSNorm
+    from sglang_dflash.models.model_store import load_weights
+
+    with pytest.raises(ValueError, match="init_layers"):
+        DFlashTrainer(train_config(tmp_path / "x", tiny_target, init_layers="first"), records(6, seed=12))
+    trainer = DFlashTrainer(train_config(tmp_path, tiny_target, init_layers="target"), records(6, seed=12))
+    target = load_weights(tiny_target)
+    for i, layer in enumerate(trainer.draft.layers):
+        for name in ("input_layernorm", "self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"):
+            torch.testing.assert_close(layer.get_submodule(name).weight, target[f"model.layers.{6 + i}.{name}.weight"])
+    norm = RMSNorm(32, trainer.draft.config.rms_norm_eps)
+    last = trainer.draft.config.target_layer_ids[-1]
+    norm.weight.data.copy_(target[f"model.layers.{last + 1}.input_layernorm.weight"])
+    raw = torch.randn(9, 64) * 30
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.draft.project_context(raw / trainer.feature_scale), norm(raw[:, 32:]),
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_teacher_forced_eval_skips_dev_prompts_longer_than_max_len(tiny_target: Path, tmp_path: Path):
     dev_ids = [f"d{i}" for i in range(400) if is_dev_record(f"d{i}")][:2]
     long = dict(records(1, seed=12)[0], id=dev_ids[0], prompt_ids=[7] * 70)  # max_len is 64

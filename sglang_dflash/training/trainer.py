@@ -24,6 +24,7 @@ from sglang_dflash.device import has_fast_bf16, resolve_device
 from sglang_dflash.models.dflash import DFlashDraftModel, random_draft_model
 from sglang_dflash.models.dflash2 import DFlash2Config, dflash1_equivalent_, random_dflash2_model
 from sglang_dflash.models.dflash_config import DFlashConfig, default_target_layer_ids
+from sglang_dflash.models.model_store import load_weights
 from sglang_dflash.runtime.model_runner import ModelRunner
 from sglang_dflash.training.block_attention import draft_blocks_forward
 from sglang_dflash.training.checkpoint import load_checkpoint, load_drafter, save_checkpoint, write_drafter
@@ -39,6 +40,7 @@ from sglang_dflash.training.loss import (
     selector_loss,
     weighted_block_loss,
 )
+from sglang_dflash.training.warm_start import init_from_target_layers_
 
 
 @dataclass
@@ -73,6 +75,8 @@ class TrainConfig:
     eval_max_new_tokens: int = 96
     feature_cache: str | None = None  # directory for cached bf16 target features (~6 KB per token)
     init_from: str | None = None  # a DFlash checkpoint directory to start from (its config and weights)
+    # "random", or "target": layers from the target's last layers (training/warm_start.py); ignored with init_from
+    init_layers: str = "random"
     # "dflash2": convolutions + candidate selector, started silent (identity convolutions, no selector pair
     # term), so a DFlash 1 --init-from warm-starts it exactly; the next five fields shape the additions
     architecture: str = "dflash"
@@ -127,6 +131,8 @@ class DFlashTrainer:
         if cfg.labels not in ("data", "target") or cfg.lr_schedule not in ("cosine", "constant"):
             raise ValueError(f"labels must be 'data' or 'target' (got {cfg.labels!r}), lr_schedule 'cosine' or "
                              f"'constant' (got {cfg.lr_schedule!r})")
+        if cfg.init_layers not in ("random", "target"):
+            raise ValueError(f"init_layers must be 'random' or 'target', got {cfg.init_layers!r}")
         if cfg.labels == "target" and cfg.feature_cache:
             raise ValueError("labels='target' needs the target's logits every step: train without --feature-cache")
         self.cfg = cfg
@@ -169,6 +175,10 @@ class DFlashTrainer:
             self.feature_scale = self.features.rms(first, cfg.seqs_per_step)
             if cfg.init_from:
                 load_drafter(self.draft, self.feature_scale, Path(cfg.init_from))
+            elif cfg.init_layers == "target":
+                init_from_target_layers_(self.draft, load_weights(self.runner.model_dir), self.feature_scale,
+                                         self.runner.model_config.num_hidden_layers)
+                self.draft.prepare_inference(self.device)
         params = [p for p in self.draft.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -307,13 +317,14 @@ class DFlashTrainer:
 
     def run(self, max_steps: int | None = None, log_path: Path | None = None, reload=None) -> None:
         """Trains until total_steps (or max_steps more). `reload()` -> new records, called at checkpoints.
-        A run started from a checkpoint (--init-from) first evaluates it: the curve's step 0."""
+        A run started from a checkpoint (--init-from) or the target's layers first evaluates it: the curve's
+        step 0."""
         cfg = self.cfg
         end = min(cfg.total_steps, self.step + max_steps) if max_steps else cfg.total_steps
         bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", unit="step")
         t0, tok0 = time.perf_counter(), self.tokens_seen
-        if self.step == 0 and cfg.init_from:
-            self.evaluate({"step": 0, "init_from": cfg.init_from}, 0.0, log_path)
+        if self.step == 0 and (cfg.init_from or cfg.init_layers != "random"):
+            self.evaluate({"step": 0, "init_from": cfg.init_from or cfg.init_layers}, 0.0, log_path)
         first, probe_t0 = self.step, time.perf_counter()
         while self.step < end:
             stats = self.train_step()
