@@ -23,7 +23,14 @@ from sglang_dflash.training.block_attention import draft_blocks_forward
 from sglang_dflash.training.data import is_dev_record
 from sglang_dflash.training.datagen import write_shard
 from sglang_dflash.training.feature_cache import FeatureCache
-from sglang_dflash.training.loss import block_labels, position_weights, selector_candidates, weighted_block_loss
+from sglang_dflash.training.loss import (
+    block_labels,
+    position_weights,
+    selector_candidates,
+    soft_block_targets,
+    weighted_block_loss,
+    weighted_soft_block_loss,
+)
 from sglang_dflash.training.trainer import BUDGET_PROBE_STEPS, DFlashTrainer, TrainConfig, lr_at
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -442,8 +449,9 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tiny_target: Path, tmp
     layers = tuple(trainer.draft.config.target_layer_ids)
     rec = trainer.data.records[trainer.data.order[0]]
     ids, plen = trainer.data.sequence(rec)
-    (feats,), (greedy_next,) = trainer.features([rec], [ids], greedy_next=True)
-    expect = [int(target_pass(trainer.runner, [ids[:p]], layers, greedy_next=True)[1][0][-1])
+    (feats,), (next_logits,) = trainer.features([rec], [ids], next_logits=True)
+    greedy_next = next_logits.argmax(-1)
+    expect = [int(target_pass(trainer.runner, [ids[:p]], layers, next_logits=True)[1][0][-1].argmax())
               for p in range(plen, len(ids))]
     assert greedy_next[plen - 1 : -1].tolist() == expect
     anchors = torch.arange(plen, len(ids) - 1)
@@ -452,7 +460,7 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tiny_target: Path, tmp
     greedy = dict(rec, id="greedy", response_ids=[])
     for _ in range(12):  # the target's greedy continuation, token by token
         seq = greedy["prompt_ids"] + greedy["response_ids"]
-        nxt = int(target_pass(trainer.runner, [seq], layers, greedy_next=True)[1][0][-1])
+        nxt = int(target_pass(trainer.runner, [seq], layers, next_logits=True)[1][0][-1].argmax())
         greedy["response_ids"] = greedy["response_ids"] + [nxt]
     relabeled = []
     for name, data in (("b", [greedy, dict(greedy, id="greedy2")]), ("c", records(2, seed=8))):
@@ -461,3 +469,40 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tiny_target: Path, tmp
     assert relabeled[0] == 0 and relabeled[1] > 0.5, relabeled
     with pytest.raises(ValueError, match="feature-cache"):
         DFlashTrainer(train_config(tmp_path / "d", tiny_target, labels="target", feature_cache=str(tmp_path)), [])
+
+
+def test_soft_loss_with_one_hot_targets_is_the_hard_loss():
+    """soft_block_targets row a+k-1 is label k's distribution; with one-hot distributions of the hard labels the
+    soft loss equals the hard one (random logits, odd sizes, a label past the end)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 37, (21,), generator=g)
+    anchors = torch.tensor([0, 7, 18])
+    labels = block_labels(ids, anchors, 5)
+    probs = torch.nn.functional.one_hot(torch.cat([ids[1:], ids[:1]]), 37).float()  # row i: the token i+1
+    rows, valid = soft_block_targets(probs, anchors, 5)
+    assert valid.tolist() == (labels >= 0).tolist()
+    logits = torch.randn(3, 4, 37, generator=g)
+    ws = position_weights(5, 2.0)
+    soft_loss = weighted_soft_block_loss(logits, rows, valid, ws)
+    torch.testing.assert_close(soft_loss, weighted_block_loss(logits, labels, ws))
+
+
+def test_soft_labels_are_the_targets_distributions_over_the_draft_vocabulary(tiny_target: Path, tmp_path: Path):
+    """labels='soft': the target's next-token distribution restricted to the draft vocabulary, renormalised; its
+    argmax is the hard target label wherever that token is in the draft vocabulary; training runs on it."""
+    trainer = DFlashTrainer(train_config(tmp_path / "s", tiny_target, labels="soft", draft_vocab_size=12),
+                            records(6, seed=7))
+    rec = trainer.data.records[trainer.data.order[0]]
+    ids, plen = trainer.data.sequence(rec)
+    _, (next_logits,) = trainer.features([rec], [ids], next_logits=True)
+    soft = trainer.soft_targets(next_logits)
+    vocab = trainer.draft_vocab
+    assert soft.shape == (len(ids), len(vocab))
+    torch.testing.assert_close(soft.sum(-1), torch.ones(len(ids)))
+    torch.testing.assert_close(soft, torch.softmax(next_logits[:, vocab].float(), -1))
+    greedy = next_logits.argmax(-1)
+    inside = trainer.label_index[greedy] >= 0
+    assert inside.any()
+    assert (soft.argmax(-1)[inside] == trainer.label_index[greedy][inside]).all()
+    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    assert all(math.isfinite(x) and x > 0 for x in losses), losses

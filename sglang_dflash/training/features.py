@@ -12,10 +12,10 @@ from sglang_dflash.training.feature_cache import FeatureCache
 
 @torch.inference_mode()
 def target_pass(
-    runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple[int, ...], greedy_next: bool = False,
+    runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple[int, ...], next_logits: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """[len(seq), K*H] features per sequence, computed as one ragged EXTEND batch, and with `greedy_next` the
-    target's greedy next token after every position ([len(seq)] argmax of its logits) from the same pass."""
+    """[len(seq), K*H] features per sequence, computed as one ragged EXTEND batch, and with `next_logits` the
+    target's next-token logits after every position ([len(seq), V] float32) from the same pass."""
     rows = [runner.req_to_token_pool.alloc() for _ in seqs]
     slots = runner.token_to_kv_pool_allocator.alloc(sum(map(len, seqs)))
     if slots is None or None in rows:
@@ -27,12 +27,12 @@ def target_pass(
             start += len(s)
         fb = ForwardBatch.build(
             ForwardMode.EXTEND, [t for s in seqs for t in s], rows, [0] * len(seqs), [len(s) for s in seqs],
-            runner.req_to_token_pool.req_to_token, runner.device, logits="all" if greedy_next else "none",
+            runner.req_to_token_pool.req_to_token, runner.device, logits="all" if next_logits else "none",
             capture_layer_ids=layer_ids,
         )
         out = runner.forward(fb)
         lens = [len(s) for s in seqs]
-        nexts = list(out.next_token_logits.argmax(-1).split(lens)) if greedy_next else None
+        nexts = list(out.next_token_logits.split(lens)) if next_logits else None
         return list(out.hidden_states.split(lens)), nexts
     finally:
         runner.token_to_kv_pool_allocator.free(slots)
@@ -48,18 +48,18 @@ def target_features(runner: ModelRunner, seqs: list[list[int]], layer_ids: tuple
 class TrainingFeatures:
     """Target features of training records, rounded to bfloat16 (as the cache stores them, so a run with
     the cache trains exactly like one without): from the cache when there is one (computing and adding the
-    missing ones in one batch), otherwise computed; uncached, also the target's greedy next tokens."""
+    missing ones in one batch), otherwise computed; uncached, also the target's next-token logits."""
 
     def __init__(self, runner: ModelRunner, layer_ids: tuple[int, ...], cache: FeatureCache | None):
         self.runner, self.layer_ids, self.cache = runner, layer_ids, cache
 
     def __call__(
-        self, recs: list[dict], seqs: list[list[int]], greedy_next: bool = False,
+        self, recs: list[dict], seqs: list[list[int]], next_logits: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        if greedy_next and self.cache is not None:
-            raise ValueError("the feature cache holds no next tokens: target labels train without --feature-cache")
+        if next_logits and self.cache is not None:
+            raise ValueError("the feature cache holds no logits: target labels train without --feature-cache")
         if self.cache is None:
-            feats, nexts = target_pass(self.runner, seqs, self.layer_ids, greedy_next)
+            feats, nexts = target_pass(self.runner, seqs, self.layer_ids, next_logits)
             return [f.to(torch.bfloat16) for f in feats], nexts
         device = self.runner.device
         found = [self.cache.get(r["id"]) for r in recs]

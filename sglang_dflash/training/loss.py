@@ -37,6 +37,24 @@ def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: tor
     return (ce * w).sum() / w.sum().clamp_min(1e-6)
 
 
+def soft_block_targets(probs: torch.Tensor, anchors: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distributions for labels x_(a+1)..x_(a+B-1): rows a..a+B-2 of probs [n, V] (row i = the
+    distribution of token i+1) -> [m, B-1, V], and where they exist [m, B-1] (a label inside the sequence)."""
+    pos = anchors[:, None] + torch.arange(0, block - 1, device=anchors.device)[None, :]
+    valid = pos < probs.shape[0] - 1
+    return probs[pos.clamp(max=probs.shape[0] - 2)], valid
+
+
+def weighted_soft_block_loss(
+    logits: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+) -> torch.Tensor:
+    """Position-weighted cross-entropy against the target's distributions: logits and probs [m, B-1, V],
+    valid [m, B-1], weights [B-1] -> scalar."""
+    ce = -(probs * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+    w = weights[None, :] * valid
+    return (ce * w).sum() / w.sum().clamp_min(1e-6)
+
+
 def selector_candidates(logits: torch.Tensor, labels: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The selector's training candidates [m, L, K] (draft ids) and the gold's index among them: the top-K of
     logits [m, L, V], the last replaced by the gold label [m, L] where the gold falls outside."""

@@ -38,7 +38,9 @@ from sglang_dflash.training.loss import (
     default_gamma,
     position_weights,
     selector_loss,
+    soft_block_targets,
     weighted_block_loss,
+    weighted_soft_block_loss,
 )
 from sglang_dflash.training.warm_start import init_from_target_layers_
 
@@ -62,7 +64,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None
     # "data": the response's own next tokens; "target": the target's greedy next token after each position of the
-    # same pass (what greedy verification accepts; differs from the data on sampled responses)
+    # same pass (what greedy verification accepts; differs from the data on sampled responses); "soft": the
+    # target's next-token distribution over the draft vocabulary from that pass (cross-entropy against it)
     labels: str = "data"
     draft_vocab_size: int | None = 8192
     ckpt_every: int = 100
@@ -128,13 +131,14 @@ class DFlashTrainer:
         vocabulary, weights, optimizer, data order and RNG state)."""
         if cfg.attention == "flex":  # measured: torch 2.13 raises NotImplementedError in flex backward on CPU
             raise ValueError("attention='flex' needs a GPU: flex_attention has no backward on CPU; use 'sdpa'")
-        if cfg.labels not in ("data", "target") or cfg.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"labels must be 'data' or 'target' (got {cfg.labels!r}), lr_schedule 'cosine' or "
+        if cfg.labels not in ("data", "target", "soft") or cfg.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(f"labels must be 'data', 'target' or 'soft' (got {cfg.labels!r}), lr_schedule 'cosine' or "
                              f"'constant' (got {cfg.lr_schedule!r})")
         if cfg.init_layers not in ("random", "target"):
             raise ValueError(f"init_layers must be 'random' or 'target', got {cfg.init_layers!r}")
-        if cfg.labels == "target" and cfg.feature_cache:
-            raise ValueError("labels='target' needs the target's logits every step: train without --feature-cache")
+        if cfg.labels != "data" and cfg.feature_cache:
+            raise ValueError(f"labels={cfg.labels!r} needs the target's logits every step: "
+                             "train without --feature-cache")
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -164,6 +168,7 @@ class DFlashTrainer:
         self.label_index = (
             None if vocab is None else target_to_draft_index(dcfg.draft_vocab, vocab_size).to(self.device)
         )
+        self.draft_vocab = vocab
         self.weights = position_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size), self.device)
         layers = tuple(dcfg.target_layer_ids)
         cache = None
@@ -232,10 +237,20 @@ class DFlashTrainer:
         prev[:, 0] = input_ids[anchors]
         return x, logits, labels, prev
 
+    def soft_targets(self, next_logits: torch.Tensor) -> torch.Tensor:
+        """The target's next-token distributions [n, V] restricted (and renormalised) to the draft vocabulary."""
+        logits = next_logits if self.draft_vocab is None else next_logits[:, self.draft_vocab]
+        return torch.softmax(logits.float(), dim=-1)
+
     def sequence_loss(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor,
-                      greedy_next: torch.Tensor | None = None) -> torch.Tensor:
+                      greedy_next: torch.Tensor | None = None, soft: torch.Tensor | None = None) -> torch.Tensor:
+        """`soft` [len(ids), V_draft]: the target's distributions (labels='soft'), else hard labels."""
         x, logits, labels, prev = self.block_outputs(ids, feats, anchors, greedy_next)
-        loss = weighted_block_loss(logits, labels, self.weights)
+        if soft is None:
+            loss = weighted_block_loss(logits, labels, self.weights)
+        else:
+            probs, valid = soft_block_targets(soft, anchors.to(self.device), self.cfg.block_size)
+            loss = weighted_soft_block_loss(logits, probs, valid, self.weights)
         if isinstance(self.draft.config, DFlash2Config):
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 sel = selector_loss(self.draft.candidate_selector, x, logits, labels, prev,
@@ -247,7 +262,8 @@ class DFlashTrainer:
         cfg = self.cfg
         recs = self.data.next_batch(cfg.seqs_per_step)
         seqs = [self.data.sequence(r) for r in recs]
-        feats, nexts = self.features(recs, [s for s, _ in seqs], greedy_next=cfg.labels == "target")
+        feats, next_logits = self.features(recs, [s for s, _ in seqs], next_logits=cfg.labels != "data")
+        nexts = None if next_logits is None else [lg.argmax(-1) for lg in next_logits]
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, cfg)
         self.opt.zero_grad(set_to_none=True)
@@ -256,7 +272,8 @@ class DFlashTrainer:
             anchors = sample_anchors(plen, len(ids), cfg.anchors_per_seq, self.gen)
             if len(anchors) == 0:
                 continue
-            loss = self.sequence_loss(ids, f.clone(), anchors, None if nexts is None else nexts[i])
+            soft = self.soft_targets(next_logits[i]) if cfg.labels == "soft" else None
+            loss = self.sequence_loss(ids, f.clone(), anchors, None if nexts is None else nexts[i], soft)
             (loss / len(seqs)).backward()
             if nexts is not None:  # response tokens that are not the target's greedy choice
                 relabeled += int((nexts[i][plen - 1 : -1].cpu() != torch.tensor(ids[plen:])).sum())
