@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_dflash.device import upload
+from sglang_dflash.kernels.argmax import argmax
 from sglang_dflash.sampling.sampling_params import SamplingParams
 
 FAST_K = 256  # candidates examined before falling back to a full sort
@@ -137,7 +138,7 @@ def draw_uniforms(generators: list[torch.Generator], per_req: int, device: torch
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor) -> torch.Tensor:
     """Next token per row (penalties already applied to logits); only sampled rows build a distribution."""
-    greedy_ids = logits.argmax(-1)
+    greedy_ids = argmax(logits)
     if info.all_greedy:
         return greedy_ids
     rows = upload(info.sampled_rows, torch.int64, logits.device)

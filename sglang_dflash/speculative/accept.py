@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from sglang_dflash.device import upload
 from sglang_dflash.kernels import greedy_accept, sampling_accept, sparse_sampling_accept
+from sglang_dflash.kernels.argmax import argmax
 from sglang_dflash.sampling.sampler import SamplingBatchInfo, logits_to_probs
 from sglang_dflash.speculative.draft_block import DraftBlock
 
@@ -29,14 +30,14 @@ def accept(
     draft is a point mass."""
     if info is None or info.all_greedy:
         if block.width == 1:  # plain decode rows only (most steps under load): nothing to verify
-            bonus = logits.argmax(-1)
+            bonus = argmax(logits)
             return torch.zeros_like(bonus), bonus, bonus[:, None]
-        return greedy_accept(block.candidates, block.padded(logits.argmax(-1)), block.block_lens)
+        return greedy_accept(block.candidates, block.padded(argmax(logits)), block.block_lens)
     reqs = info.sampled_rows
     if len(reqs) == block.batch_size:
         return _sampled_accept(block, logits, info, uniforms[:, : block.width], uniforms[:, block.width], draft)
     # a mixed batch: every request by argmax first, then the sampled ones (only they build distributions)
-    accept_lens, next_bonus, out_tokens = greedy_accept(block.candidates, block.padded(logits.argmax(-1)),
+    accept_lens, next_bonus, out_tokens = greedy_accept(block.candidates, block.padded(argmax(logits)),
                                                         block.block_lens)
     sub = block.select(reqs)
     idx = upload(reqs, torch.int64, logits.device)
