@@ -216,22 +216,6 @@ def test_one_gemm_materialisation_matches_per_layer(attention_bias: bool, seed: 
         assert rel < 1e-5, rel
 
 
-@pytest.mark.parametrize("attention_bias", [False, True])
-def test_fused_projections_give_the_same_drafts(attention_bias: bool):
-    """fuse_projections_ (q/k/v and gate/up stacked, as a loaded drafter runs) against the separate projections
-    the checkpoint holds: the same logits on fresh random weights and inputs."""
-    import copy
-
-    model = bind_and_prepare(randomise(DFlashDraftModel(draft_config(attention_bias=attention_bias)), seed=4))
-    fused = copy.deepcopy(model)
-    fused.bind_target(model.embed_tokens, model.lm_head)
-    fused.fuse_projections_()
-    assert not hasattr(fused.layers[0].self_attn, "q_proj") and hasattr(fused.layers[0].mlp, "gate_up_proj")
-    for seed in (0, 1):
-        want, got = draft_logits(model, seed), draft_logits(fused, seed)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
 def deferring_step(model: DFlashDraftModel) -> tuple[DFlashStep, MHATokenToKVPool]:
     """A DFlash step over a fresh 16-slot draft pool (no policy: only its materialisation is used)."""
     cfg = model.config

@@ -19,7 +19,7 @@ from sglang_dflash.kernels import materialize_draft_kv
 from sglang_dflash.kernels.argmax import argmax
 from sglang_dflash.kernels.decode_attention import decode_attention, reads_runs
 from sglang_dflash.models.dflash_config import DFlashConfig
-from sglang_dflash.models.llama import MLP, GatedMLP, RMSNorm
+from sglang_dflash.models.llama import MLP, RMSNorm
 from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
 
 Attend = Callable[["DraftAttention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,7 +43,6 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.sliding_window = sliding_window
         self.causal = False  # causal inside the block (DFlash 2 layers that ask for it)
-        self.qkv_proj: nn.Module | None = None  # inference: q/k/v stacked into one GEMM (fuse_projections_)
 
     def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """K = RoPE(k_norm(k_proj(x))), V = v_proj(x), each [T, nKV, hd] (block tokens or context features)."""
@@ -51,15 +50,9 @@ class DraftAttention(nn.Module):
         return k, self.v_proj(x).view(-1, self.nkv, self.hd)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        if self.qkv_proj is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = self.qkv_proj(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        qk = torch.cat([self.q_norm(q.reshape(-1, nh, hd)), self.k_norm(k.reshape(-1, nkv, hd))], dim=1)
-        qk = apply_rope(qk, *rope)  # one rotation for q and k (per head, so the same as two)
-        o = attend(self, qk[:, :nh], qk[:, nh:], v.reshape(-1, nkv, hd))
-        return self.o_proj(o.reshape(-1, nh * hd))
+        q = apply_rope(self.q_norm(self.q_proj(x).view(-1, self.nh, self.hd)), *rope)
+        k, v = self.project_kv(x, rope)
+        return self.o_proj(attend(self, q, k, v).reshape(-1, self.nh * self.hd))
 
 
 class DraftLayer(nn.Module):
@@ -88,13 +81,14 @@ class PagedBlockAttention:
         block: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
     ):
         self.bs, self.block = kv_indices.shape[0], block
-        self.out_cache_loc, self.kv_indices, self.kv_lens = out_cache_loc, kv_indices, kv_lens
+        self.out_cache_loc, self.kv_indices = out_cache_loc, kv_indices
         self.k_buffer, self.v_buffer = k_buffer, v_buffer
-        self.positions = positions
-        bs = self.bs
-        self.rows = torch.arange(bs, device=kv_indices.device)[:, None].expand(bs, block).reshape(-1)  # -> request
+        self.kv_pos = torch.arange(kv_indices.shape[1], device=kv_indices.device)
+        self.visible = self.kv_pos[None, :] < kv_lens[:, None]  # [bs, max_kv]
+        self.q_pos = positions.view(self.bs, block)
+        self.rows = torch.arange(self.bs, device=kv_indices.device).repeat_interleave(block)  # block token -> request
         # as the mask: no key past kv_indices (an overlapped host's bound can lag the device's lengths)
-        self.row_lens = kv_lens.clamp(max=kv_indices.shape[1])[:, None].expand(bs, block).reshape(-1)
+        self.row_lens = kv_lens.clamp(max=kv_indices.shape[1]).repeat_interleave(block)
 
     def __call__(self, attn: DraftAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
@@ -104,9 +98,8 @@ class PagedBlockAttention:
             o = decode_attention(q, k_buffer, v_buffer, self.kv_indices, self.rows, self.row_lens, attn.hd**-0.5,
                                  self.kv_indices.shape[1])
             return o.to(q.dtype)
-        kv_pos = torch.arange(self.kv_indices.shape[1], device=self.kv_indices.device)
-        mask = (kv_pos[None, :] < self.kv_lens[:, None])[:, None, :]  # [bs, 1, max_kv]
-        offset = self.positions.view(self.bs, self.block)[:, :, None] - kv_pos  # query position - key position
+        mask = self.visible[:, None, :]
+        offset = self.q_pos[:, :, None] - self.kv_pos[None, None, :]  # query position - key position
         if attn.causal:
             mask = mask & (offset >= 0)
         if attn.sliding_window is not None:
@@ -118,17 +111,6 @@ class PagedBlockAttention:
             attn_mask=mask[:, None], enable_gqa=attn.nkv != attn.nh,
         )
         return o.transpose(1, 2).reshape(self.bs * self.block, attn.nh, attn.hd)
-
-
-def stacked_linear(*linears: nn.Linear) -> nn.Linear:
-    """One frozen linear computing `linears` of the same input, their outputs concatenated."""
-    first = linears[0]
-    out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
-                    device="meta")
-    out.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
-    if first.bias is not None:
-        out.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
-    return out
 
 
 def block_input_ids(first_tokens: torch.Tensor, block: int, mask_token_id: int) -> torch.Tensor:
@@ -186,20 +168,6 @@ class DFlashDraftModel(nn.Module):
                 head = nn.Linear(cfg.hidden_size, len(self.draft_vocab), bias=False, device="meta")
                 head.weight = nn.Parameter(self.lm_head.weight[self.draft_vocab].detach(), requires_grad=False)
                 object.__setattr__(self, "draft_head", head)
-
-    def fuse_projections_(self) -> None:
-        """For inference only (a loaded drafter): each layer's q/k/v and gate/up projections stacked into one
-        GEMM each (as the target's layers run): fewer calls a draft forward. The separate modules go (call
-        after `prepare_inference`, which stacks the context K/V weights from them)."""
-        for layer in self.layers:
-            attn = layer.self_attn
-            attn.qkv_proj = stacked_linear(attn.q_proj, attn.k_proj, attn.v_proj)
-            del attn.q_proj, attn.k_proj, attn.v_proj
-            mlp = layer.mlp
-            gated = GatedMLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features)
-            gated.gate_up_proj = stacked_linear(mlp.gate_proj, mlp.up_proj)
-            gated.down_proj = mlp.down_proj
-            layer.mlp = gated
 
     # ---- context features -> draft KV ----
     def project_context(self, features: torch.Tensor) -> torch.Tensor:

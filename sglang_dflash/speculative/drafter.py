@@ -61,7 +61,6 @@ def load_drafter(
     draft.config.check_target(target_config)
     draft.bind_target(embed_tokens, lm_head)
     draft.prepare_inference(device)
-    draft.fuse_projections_()
     if can_pack(device, dtype):  # packed bf16 GEMMs on CPU, as the target's
         pack_linears(draft, keep_weight=("fc",), batch_invariant=batch_invariant)
         object.__setattr__(draft, "kv_proj", PackedLinear(draft.kv_proj, batch_invariant=batch_invariant))
