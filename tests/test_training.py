@@ -496,7 +496,7 @@ def test_soft_labels_are_the_targets_distributions_over_the_draft_vocabulary(tin
     ids, plen = trainer.data.sequence(rec)
     _, (next_logits,) = trainer.features([rec], [ids], next_logits=True)
     soft = trainer.soft_targets(next_logits)
-    vocab = trainer.draft_vocab
+    vocab = trainer.draft.draft_vocab
     assert soft.shape == (len(ids), len(vocab))
     torch.testing.assert_close(soft.sum(-1), torch.ones(len(ids)))
     torch.testing.assert_close(soft, torch.softmax(next_logits[:, vocab].float(), -1))

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sglang_dflash.device import has_fast_bf16, resolve_device
+from sglang_dflash.kernels.argmax import argmax
 from sglang_dflash.models.dflash import DFlashDraftModel, random_draft_model
 from sglang_dflash.models.dflash2 import DFlash2Config, dflash1_equivalent_, random_dflash2_model
 from sglang_dflash.models.dflash_config import DFlashConfig, default_target_layer_ids
@@ -168,7 +169,6 @@ class DFlashTrainer:
         self.label_index = (
             None if vocab is None else target_to_draft_index(dcfg.draft_vocab, vocab_size).to(self.device)
         )
-        self.draft_vocab = vocab
         self.weights = position_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size), self.device)
         layers = tuple(dcfg.target_layer_ids)
         cache = None
@@ -239,7 +239,8 @@ class DFlashTrainer:
 
     def soft_targets(self, next_logits: torch.Tensor) -> torch.Tensor:
         """The target's next-token distributions [n, V] restricted (and renormalised) to the draft vocabulary."""
-        logits = next_logits if self.draft_vocab is None else next_logits[:, self.draft_vocab]
+        vocab = self.draft.draft_vocab
+        logits = next_logits if vocab is None else next_logits[:, vocab]
         return torch.softmax(logits.float(), dim=-1)
 
     def sequence_loss(self, ids: list[int], feats: torch.Tensor, anchors: torch.Tensor,
@@ -263,7 +264,7 @@ class DFlashTrainer:
         recs = self.data.next_batch(cfg.seqs_per_step)
         seqs = [self.data.sequence(r) for r in recs]
         feats, next_logits = self.features(recs, [s for s, _ in seqs], next_logits=cfg.labels != "data")
-        nexts = None if next_logits is None else [lg.argmax(-1) for lg in next_logits]
+        nexts = None if next_logits is None else [argmax(lg) for lg in next_logits]
         for g in self.opt.param_groups:
             g["lr"] = lr_at(self.step, cfg)
         self.opt.zero_grad(set_to_none=True)
