@@ -279,6 +279,31 @@ def test_lookup_estimates_follow_the_match_length():
     assert state.accept["lookup2"][0] < LOOKUP_PRIOR[2] and state.accept["lookup4"][0] > 0.9
 
 
+def test_lookup_estimates_learn_from_proposals_not_verified():
+    """Where speculation does not pay (every verify token costs a decode row), lookup proposals are not verified, yet
+    the request's and the shared estimates learn from them once the tokens they predicted are committed: up where
+    the text went on as proposed, down where it did not; a proposal the plan verifies is learnt from once."""
+    dear = CostModel({1: 1.0, 2: 2.0, 16: 16.0, 64: 64.0}, {16: 10.0})
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # the bonus 4 ends the 4-gram (1, 2, 3, 4): propose 5, 6, 7
+
+    def after(output: list[int]) -> tuple[float, float]:
+        policy = SpecPolicy(SpecOptions(4), dear)
+        state = policy.new_state()
+        assert policy.plan([state], [(prompt, [4])], [4])[0].source == NONE and state.shadow is not None
+        for _ in range(PLAIN_SKIP + 1):  # the next planned step reads the committed tokens
+            policy.plan([state], [(prompt, output)], [4])
+        return state.accept["lookup4"][0], policy.prior["lookup4"][0]
+
+    start = LOOKUP_PRIOR.get(4, 0.8)
+    hit, miss = after([4, 5, 6, 7]), after([4, 9])
+    assert hit[0] > start and hit[1] > start and miss[0] < start and miss[1] < start
+    assert after([4, 5, 6]) == (start, start)  # 5, 6 as proposed, 7 not yet known: no outcome yet
+    policy = SpecPolicy(SpecOptions(4), flat_cost())  # cheap verify tokens: the proposal is verified, no shadow
+    state = policy.new_state()
+    plan = policy.plan([state], [(prompt, [4])], [4])[0]
+    assert plan.source == LOOKUP and state.shadow is None
+
+
 def test_gains_are_scaled_by_what_proposals_realised():
     """Proposals that keep realising half of what their estimates promised have their gains halved (for every
     request: the ratio is shared); a source that realises what it promised keeps its gains."""
@@ -296,6 +321,9 @@ def test_gains_are_scaled_by_what_proposals_realised():
     ratio = sum(policy.gains(fresh, "lookup3", 4)) / sum(0.8**k for k in range(1, 5))
     assert ratio == pytest.approx(1 / 2.3616, rel=0.05) and expected3 == pytest.approx(1.0, rel=0.05)
     assert policy.gains(fresh, "lookup4", 4) == pytest.approx([1.0] * 4, rel=0.02)
+    for _ in range(600):  # no lookup3 proposal verified for a while: the ratio returns to 1, lookup3 is tried again
+        policy.observe(states, [Plan(NONE, 1)] * 4, [0] * 4)
+    assert sum(policy.gains(fresh, "lookup3", 4)) / sum(0.8**k for k in range(1, 5)) == pytest.approx(1, rel=0.02)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -38,7 +38,10 @@ EXPLORE_SLOWEST = 8  # ... to at most this many times less often (a useless draf
 EXPLORE_BUDGET = 0.01  # exploring steps may add at most this share of the predicted decode time (a batch of 32
 # exploring rows costs ~70% of a step on a 2-core CPU: every 32 steps that would be 2%)
 REALISED_DECAY = 0.99  # per verified proposal, in the shared ratio of accepted to expected drafts per source
-REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted)
+REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted) ...
+REALISED_RELAX = 0.98  # ... and returns to, this much per verified step, while a source is not taken: a source that
+# failed where it was tried gets tried again (at 32 requests all starting at once, 4-gram lookups of the chat
+# template's code fence failed together and, unrelaxed, the ratio kept every later 4-gram lookup out)
 CHECK_EVERY = 16  # a batch whose best plan promises under CHECK_GAIN x the plain rows' rate runs plain rows ...
 CHECK_GAIN = 1.25  # ... once in this many steps, so the cost model keeps measuring what it compares against
 PLAIN_SKIP = 8  # at most this many unplanned plain steps after plans of plain rows only
@@ -63,6 +66,7 @@ class ReqSpecState:
     index: NgramIndex
     accept: dict[str, list[float]]
     since_dflash: int = EXPLORE_JOIN  # steps since DFlash was last verified for this request
+    shadow: tuple[int, list[int], int] | None = None  # a lookup proposal not verified: (its position, tokens, n)
 
 
 @dataclass
@@ -127,6 +131,7 @@ class SpecPolicy:
         if self.options.lookup and histories is not None:
             for st, (prompt, output) in zip(states, histories):
                 st.index.sync(prompt, output)
+                self._score_shadow(st)
             lookups = [st.index.propose(lim - 1) for st, lim in zip(states, limits)]
         if not self.options.adaptive:
             return [
@@ -142,11 +147,31 @@ class SpecPolicy:
         self.since_plain = 0 if all(p.source == NONE for p in plans) else self.since_plain + 1
         if self.since_plain >= CHECK_EVERY and rate < CHECK_GAIN * bs / self.cost.step_time(bs, 0, bs):
             self.since_plain = 0
-            return [Plan(NONE, 1) for _ in states]
-        plans = self._explore(states, limits, plans, seconds)
-        self.plain_plans = self.plain_plans + 1 if all(p.source == NONE for p in plans) else 0
-        self.skip = min(self.plain_plans, PLAIN_SKIP)
+            plans = [Plan(NONE, 1) for _ in states]
+        else:
+            plans = self._explore(states, limits, plans, seconds)
+            self.plain_plans = self.plain_plans + 1 if all(p.source == NONE for p in plans) else 0
+            self.skip = min(self.plain_plans, PLAIN_SKIP)
+        for st, plan, (toks, n) in zip(states, plans, lookups):
+            if toks and plan.source != LOOKUP and st.shadow is None:
+                st.shadow = (len(st.index.tokens), toks, n)
         return plans
+
+    def _score_shadow(self, st: ReqSpecState) -> None:
+        """Learns from a lookup proposal the plan did not verify, once the tokens it predicted are committed: the
+        estimates follow every proposal, not only those taken (else a source that failed where it was tried is never
+        tried again). Unbiased when sampling too: a committed token equals a point-mass proposal with the probability
+        verification would have accepted it."""
+        start, toks, n = st.shadow or (0, [], 0)
+        actual = st.index.tokens[start : start + len(toks)]
+        if not toks or start > len(st.index.tokens):  # none, or the history was rebuilt shorter
+            st.shadow = None
+            return
+        matched = next((i for i, (x, y) in enumerate(zip(toks, actual)) if x != y), len(actual))
+        if matched == len(actual) < len(toks):  # every token so far matches: wait for the rest
+            return
+        st.shadow = None
+        self._learn(st, lookup_key(n), len(toks), matched)
 
     def gain_matrix(self, states: list[ReqSpecState], keys: list[str | None], lens: list[int]) -> np.ndarray:
         """[requests, block_size - 1]: expected extra committed tokens of each request's first lens[i] drafts from
@@ -223,17 +248,25 @@ class SpecPolicy:
 
     def observe(self, states: list[ReqSpecState], plans: list[Plan], accepted: list[int]) -> None:
         """Updates the estimates from a verified step: request i accepted `accepted[i]` of its drafts."""
+        for realised in self.realised.values():
+            realised[0] = REALISED_RELAX * realised[0] + (1 - REALISED_RELAX) * REALISED_PRIOR
+            realised[1] = REALISED_RELAX * realised[1] + (1 - REALISED_RELAX) * REALISED_PRIOR
         for st, plan, a in zip(states, plans, accepted):
             st.since_dflash = 0 if plan.source == DFLASH else st.since_dflash + 1
             if plan.source == NONE:
                 continue
-            est, prior, realised = st.accept[plan.key], self.prior[plan.key], self.realised[plan.key]
-            realised[0] = REALISED_DECAY * realised[0] + sum(_prefix_gains(est, plan.block_len - 1))
+            realised = self.realised[plan.key]
+            realised[0] = REALISED_DECAY * realised[0] + sum(_prefix_gains(st.accept[plan.key], plan.block_len - 1))
             realised[1] = REALISED_DECAY * realised[1] + a
-            for k in range(min(a + 1, plan.block_len - 1, len(est))):  # position k was verified
-                hit = 1.0 if k < a else 0.0
-                est[k] += REQ_RATE * (hit - est[k])
-                prior[k] += PRIOR_RATE * (hit - prior[k])
+            self._learn(st, plan.key, plan.block_len - 1, a)
+
+    def _learn(self, st: ReqSpecState, key: str, drafts: int, accepted: int) -> None:
+        """The request's and the shared estimates of `key` after `accepted` of `drafts` proposed tokens."""
+        est, prior = st.accept[key], self.prior[key]
+        for k in range(min(accepted + 1, drafts, len(est))):  # position k was verified
+            hit = 1.0 if k < accepted else 0.0
+            est[k] += REQ_RATE * (hit - est[k])
+            prior[k] += PRIOR_RATE * (hit - prior[k])
 
 
 def _prefix_gains(accept: list[float], n: int) -> list[float]:
