@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_dflash.kernels.rms_norm import rms_norm
+from sglang_dflash.kernels.rope import rope_set_kv
 from sglang_dflash.mem_cache.memory_pool import MHATokenToKVPool
 from sglang_dflash.models.config import ModelConfig
-from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
+from sglang_dflash.models.rotary import build_cos_sin_cache, rope_at, rope_table
 from sglang_dflash.runtime.attention import GroupedMetadata, TorchNativeAttnBackend
 from sglang_dflash.runtime.forward_batch import ForwardBatch
 
@@ -89,9 +90,8 @@ class Attention(nn.Module):
         qk = qkv[:, :split].view(T, nh + self.nkv, self.hd)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
-        qk = apply_rope(qk, *rope)
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, split:].view(T, self.nkv, self.hd)
-        pool.set_kv(self.layer_id, fb.out_cache_loc, k, v)
+        v = qkv[:, split:].view(T, self.nkv, self.hd)
+        q = rope_set_kv(qk, v, *rope, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], fb.out_cache_loc)
         o = attn.forward(q, pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], meta, self.scale)
         return self.o_proj(o)
 
