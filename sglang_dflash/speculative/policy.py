@@ -2,7 +2,8 @@
 
 Each request keeps a running estimate of the conditional acceptance at every block position for each
 source (DFlash; context lookup per suffix-match length n, since a 4-gram match continues far more often than
-a 2-gram one), starting from a prior shared by all requests (learnt from all of them); a
+a 2-gram one), starting from a prior shared by all requests (learnt from all of them), and learnt from every lookup
+proposal, verified or not (one not verified is scored against the tokens committed after it); a
 request that has not tried DFlash for EXPLORE_EVERY steps tries a short block, so the estimates follow the
 text, and every request that has not for EXPLORE_JOIN steps joins it: a batch pays for one exploring draft
 forward every ~EXPLORE_JOIN steps, not one per request (up to EXPLORE_SLOWEST times rarer while the prior says
