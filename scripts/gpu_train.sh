@@ -105,12 +105,12 @@ python -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), 
 
 if [[ $SIZE == tiny ]]; then
     regen=(--num-prompts 8 --max-new-tokens 16 --max-running-requests 4)
-    train=(--total-steps 3 --seqs-per-step 2 --anchors-per-seq 4 --max-len 128 --dev-size 2 --eval-every 3)
+    train=(--total-steps 3 --seqs-per-step 2 --anchors-per-seq 4 --max-len 128 --dev-size 2 --eval-every 3 --labels soft)
 elif [[ $SIZE == full ]]; then
     regen=(--num-prompts 1000000 --max-new-tokens 512 --max-running-requests 256 --time-budget-s 200
            --skip-done-in "$ROOT/data/responses")
     train=(--total-steps 100000 --time-budget-s 150 --seqs-per-step 16 --anchors-per-seq 256 --lr 6e-4
-           --eval-every 500 --ckpt-every 200)
+           --eval-every 500 --ckpt-every 200 --labels soft)  # soft labels: +0.03 tau in a 300-step CPU pair
 else
     fail "CHECK_SIZE must be full or tiny, got '$SIZE'"
 fi
