@@ -66,7 +66,3 @@ class MHATokenToKVPool:
         shape = (num_layers, size + 1, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=device)
-
-    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer].index_copy_(0, loc, k.to(self.dtype))
-        self.v_buffer[layer].index_copy_(0, loc, v.to(self.dtype))
