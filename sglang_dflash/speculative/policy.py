@@ -40,9 +40,10 @@ EXPLORE_BUDGET = 0.01  # exploring steps may add at most this share of the predi
 # exploring rows costs ~70% of a step on a 2-core CPU: every 32 steps that would be 2%)
 REALISED_DECAY = 0.99  # per verified proposal, in the shared ratio of accepted to expected drafts per source
 REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted) ...
-REALISED_RELAX = 0.98  # ... and returns to, this much per verified step, while a source is not taken: a source that
-# failed where it was tried gets tried again (at 32 requests all starting at once, 4-gram lookups of the chat
-# template's code fence failed together and, unrelaxed, the ratio kept every later 4-gram lookup out)
+REALISED_RELAX = 0.98  # ... and is pulled back to, this much per verified step (every source; while a source is
+# verified its outcomes outweigh the pull): one that failed where it was tried gets tried again (at 32 requests all
+# starting at once, 4-gram lookups of the chat template's code fence failed together and, without the pull, the ratio
+# kept every later 4-gram lookup out)
 CHECK_EVERY = 16  # a batch whose best plan promises under CHECK_GAIN x the plain rows' rate runs plain rows ...
 CHECK_GAIN = 1.25  # ... once in this many steps, so the cost model keeps measuring what it compares against
 PLAIN_SKIP = 8  # at most this many unplanned plain steps after plans of plain rows only
@@ -163,11 +164,13 @@ class SpecPolicy:
         estimates follow every proposal, not only those taken (else a source that failed where it was tried is never
         tried again). Unbiased when sampling too: a committed token equals a point-mass proposal with the probability
         verification would have accepted it."""
-        start, toks, n = st.shadow or (0, [], 0)
-        actual = st.index.tokens[start : start + len(toks)]
-        if not toks or start > len(st.index.tokens):  # none, or the history was rebuilt shorter
+        if st.shadow is None:
+            return
+        start, toks, n = st.shadow
+        if start > len(st.index.tokens):  # the history was rebuilt shorter
             st.shadow = None
             return
+        actual = st.index.tokens[start : start + len(toks)]
         matched = next((i for i, (x, y) in enumerate(zip(toks, actual)) if x != y), len(actual))
         if matched == len(actual) < len(toks):  # every token so far matches: wait for the rest
             return
