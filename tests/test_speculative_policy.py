@@ -19,6 +19,7 @@ from sglang_dflash.speculative.policy import (
     EXPLORE_SLOWEST,
     LOOKUP,
     LOOKUP_PRIOR,
+    MATERIALISE_OFF_AFTER,
     NONE,
     PLAIN_SKIP,
     Plan,
@@ -394,3 +395,28 @@ def test_marginal_speculation_keeps_measuring_plain_steps():
             assert plain_steps == list(range(CHECK_EVERY - 1, 4 * CHECK_EVERY, CHECK_EVERY))
         else:
             assert plain_steps == [] and plans[0].block_len == 16
+
+
+def test_materialisation_stops_where_no_dflash_block_could_pay():
+    """A CPU-like cost: alone, a DFlash block pays and the draft context stays materialised; at 32 requests none
+    could (a verify token costs nearly a decode row), so after MATERIALISE_OFF_AFTER plans materialisation stops,
+    and requests that no longer draft are never planned DFlash, not even to explore."""
+    alone = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
+    for _ in range(3 * MATERIALISE_OFF_AFTER):
+        alone._decide_materialise(1, 16)
+    assert alone.materialise
+    crowd = SpecPolicy(SpecOptions(16, lookup=False), flat_cost())
+    ons = []
+    for _ in range(3 * MATERIALISE_OFF_AFTER):
+        crowd._decide_materialise(32, 16)
+        ons.append(crowd.materialise)
+    assert ons == [True] * (MATERIALISE_OFF_AFTER - 1) + [False] * (2 * MATERIALISE_OFF_AFTER + 1)
+    crowd._decide_materialise(32, 1)  # blocks of 1 never pay either
+    assert not crowd.materialise
+    states = [crowd.new_state() for _ in range(32)]
+    for st in states:
+        st.drafts, st.since_dflash = False, 10 * EXPLORE_SLOWEST * EXPLORE_EVERY
+        st.accept[DFLASH] = [0.99] * 15
+    crowd.skip = 0
+    for _ in range(4 * EXPLORE_JOIN):
+        assert all(p.source != DFLASH for p in crowd.plan(states, None, [16] * 32))

@@ -7,7 +7,9 @@ one draft forward over [bonus, MASK, ...]; lookup rows take their n-gram continu
 every block in one forward; the committed rows' draft context K/V is materialised from the verify pass's
 captured features, so DFlash can resume at any step whatever the source was. That materialisation waits for
 the next draft forward (or prefill, or MAX_PENDING_TOKENS): steps without a draft forward (lookup or plain rows,
-most steps under load) do not pay for it, and the waiting steps' tokens go through one GEMM.
+most steps under load) do not pay for it, and the waiting steps' tokens go through one GEMM. Where the policy finds
+that no DFlash block could pay at the batch's size (`SpecPolicy.materialise`), nothing is materialised and the
+requests then running or prefilled stop drafting (`ReqSpecState.drafts`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,18 @@ class DFlashStep:
         return states, self.policy.plan(states, histories, limits)
 
     # ---- prefill and commit ----
+    def prefill(self, reqs: list, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """A prefill (chunk) of the host's requests: their proposer states, and the draft context K/V of its tokens
+        where the policy materialises (else the requests stop drafting)."""
+        for r in reqs:
+            if getattr(r, "spec_state", None) is None:
+                r.spec_state = self.policy.new_state()
+        if self.policy.materialise:
+            self.materialize(features, positions, out_cache_loc)
+        else:
+            for r in reqs:
+                r.spec_state.drafts = False
+
     def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         """Draft context K/V of every draft layer for these tokens, from the target's captured features, now
         (after the waiting ones: a slot freed and reused since is written in order)."""
@@ -121,10 +135,27 @@ class DFlashStep:
         logits, features = host.verify(block)
         info, uniforms = host.sampling(block)
         accept_lens, next_bonus, out_tokens = accept(block, logits, info, uniforms, draft)
-        committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
-        self.defer(features, block.verified(block.positions), block.verified(committed_loc))
+        self.commit(block, states, features, accept_lens)
         self.unobserved.append((states, plans, HostCopy(accept_lens)))
         return StepOutput(accept_lens, next_bonus, out_tokens, seq_lens + accept_lens + 1, block_lens, plans)
+
+    def commit(self, block: DraftBlock, states: list[ReqSpecState], features: torch.Tensor,
+               accept_lens: torch.Tensor) -> None:
+        """Defers the draft context K/V of the committed tokens of the requests that draft; none where the policy
+        does not materialise (the requests stop drafting)."""
+        if not self.policy.materialise:
+            for st in states:
+                st.drafts = False
+            return
+        drafting = [i for i, st in enumerate(states) if st.drafts]
+        if not drafting:
+            return
+        committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
+        positions, slots = block.verified(block.positions), block.verified(committed_loc)
+        if len(drafting) < len(states):
+            rows = block.token_rows(drafting)
+            features, positions, slots = features.index_select(0, rows), positions[rows], slots[rows]
+        self.defer(features, positions, slots)
 
     def propose(
         self, block: DraftBlock, plans: list[Plan], req_to_token: torch.Tensor, kv_bound: int, host: VerifyHost,

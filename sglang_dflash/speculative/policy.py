@@ -17,6 +17,9 @@ plan promises little over plain rows, one step in CHECK_EVERY runs plain rows, s
 measuring the step it compares against. Where plain rows win for the whole batch (a loaded CPU: a verify token costs
 nearly what a decode row does), the next steps run plain rows unplanned, 1 after the first such plan and up to
 PLAIN_SKIP after PLAIN_SKIP in a row: the decision costs what a plain step costs too (~1.5% at 32 requests).
+Where no DFlash block could pay at the batch's size even with the acceptance credited at least MATERIALISE_FLOOR (a
+loaded CPU), the draft's context K/V stops being materialised (`materialise`): the requests then running or
+prefilled lose DFlash (`ReqSpecState.drafts`; lookup and plain rows remain), those prefilled once it pays again have it.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ REALISED_RELAX = 0.98  # ... and is pulled back to, this much per verified step 
 CHECK_EVERY = 16  # a batch whose best plan promises under CHECK_GAIN x the plain rows' rate runs plain rows ...
 CHECK_GAIN = 1.25  # ... once in this many steps, so the cost model keeps measuring what it compares against
 PLAIN_SKIP = 8  # at most this many unplanned plain steps after plans of plain rows only
+MATERIALISE_FLOOR = 0.5  # the acceptance at every block position DFlash is credited with at least in that decision
+MATERIALISE_OFF_AFTER = 8  # plans in a row in which no DFlash block could pay before materialisation stops
 LOOKUP_PRIOR = {2: 0.55, 3: 0.65}  # initial acceptance of a lookup proposal by match length (0.8 beyond):
 # measured on held-out greedy responses (data/responses), n = 2: 0.56 0.69 0.78, n = 4: 0.95 0.95 0.98
 
@@ -69,6 +74,7 @@ class ReqSpecState:
     accept: dict[str, list[float]]
     since_dflash: int = EXPLORE_JOIN  # steps since DFlash was last verified for this request
     shadow: tuple[int, list[int], int] | None = None  # a lookup proposal not verified: (its position, tokens, n)
+    drafts: bool = True  # its draft context K/V is complete: DFlash may draft for it
 
 
 @dataclass
@@ -114,6 +120,8 @@ class SpecPolicy:
         self.plain_plans = 0  # plans in a row of plain rows only ...
         self.skip = 0  # ... and the unplanned plain steps still due after them
         self.unplanned = 0  # unplanned steps since the last plan (they earn exploring credit too)
+        self.materialise = True  # whether the draft's context K/V of committed tokens is worth writing ...
+        self.cannot_pay = 0  # ... (off after MATERIALISE_OFF_AFTER plans in a row in which DFlash could not pay)
 
     def new_state(self) -> ReqSpecState:
         o = self.options
@@ -141,10 +149,14 @@ class SpecPolicy:
                 for (t, n), lim in zip(lookups, limits)
             ]
         bs = len(states)
+        self._decide_materialise(bs, max(limits))
         keys = [lookup_key(n) if t else None for t, n in lookups]
         look = self.gain_matrix(states, keys, [len(t) for t, _ in lookups])
-        draft = self.gain_matrix(states, [DFLASH] * bs, [lim - 1 for lim in limits])
-        no_draft, with_draft = self._best(lookups, look, None), self._best(lookups, look, draft)
+        no_draft = with_draft = self._best(lookups, look, None)
+        if any(st.drafts for st in states):
+            draft = self.gain_matrix(states, [DFLASH] * bs, [lim - 1 if st.drafts else 0
+                                                             for st, lim in zip(states, limits)])
+            with_draft = self._best(lookups, look, draft)
         rate, seconds, plans = max(no_draft, with_draft, key=lambda x: x[0])
         self.since_plain = 0 if all(p.source == NONE for p in plans) else self.since_plain + 1
         if self.since_plain >= CHECK_EVERY and rate < CHECK_GAIN * bs / self.cost.step_time(bs, 0, bs):
@@ -158,6 +170,23 @@ class SpecPolicy:
             if toks and plan.source != LOOKUP and st.shadow is None:
                 st.shadow = (len(st.index.tokens), toks, n)
         return plans
+
+    def _decide_materialise(self, bs: int, limit: int) -> None:
+        """`materialise` for a batch of bs requests: on while DFlash blocks of some width (the same for every
+        request, up to `limit`) would beat plain rows, crediting each block position with the shared prior's
+        acceptance (scaled by what DFlash realised) or MATERIALISE_FLOOR, whichever is higher; off after
+        MATERIALISE_OFF_AFTER plans in a row in which none would."""
+        width = min(limit, self.options.block_size)
+        if width > 1:
+            real = self.realised[DFLASH]
+            est = np.maximum(np.array(self.prior[DFLASH][: width - 1]) * real[1] / real[0], MATERIALISE_FLOOR)
+            widths = np.arange(2, width + 1)
+            rates = bs * (1 + np.cumsum(np.cumprod(est))) / self.cost.step_times(bs * widths, bs * widths, bs)
+            if rates.max() > bs / self.cost.step_time(bs, 0, bs):
+                self.cannot_pay, self.materialise = 0, True
+                return
+        self.cannot_pay += 1
+        self.materialise = self.cannot_pay < MATERIALISE_OFF_AFTER
 
     def _score_shadow(self, st: ReqSpecState) -> None:
         """Learns from a lookup proposal the plan did not verify, once the tokens it predicted are committed: the
@@ -198,7 +227,7 @@ class SpecPolicy:
         the less DFlash's first draft is accepted across requests (the shared prior), the rarer."""
         slow = min(EXPLORE_SLOWEST, max(1.0, EXPLORE_PRIOR / max(self.prior[DFLASH][0], 1e-9)))
         due = [i for i, (st, lim) in enumerate(zip(states, limits))
-               if st.since_dflash >= EXPLORE_JOIN * slow and plans[i].source == NONE and lim > 1]
+               if st.since_dflash >= EXPLORE_JOIN * slow and plans[i].source == NONE and lim > 1 and st.drafts]
         drafting = any(p.source == DFLASH for p in plans)  # step: the plans' predicted time
         # the credit saved up is capped (at ~5 steps at most)
         self.explore_credit = min(self.explore_credit + EXPLORE_BUDGET * step * (1 + self.unplanned),

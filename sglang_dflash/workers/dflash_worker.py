@@ -86,7 +86,7 @@ class DFlashWorker:
     def forward_extend(self, batch: ScheduleBatch) -> GenerationBatchResult:
         fb = self.target.build_extend_batch(batch, capture_layer_ids=self.capture_layer_ids)
         out = self.target.forward(fb)
-        self.step.materialize(out.hidden_states, fb.positions, fb.out_cache_loc)
+        self.step.prefill(batch.reqs, out.hidden_states, fb.positions, fb.out_cache_loc)
         return self.target.finish_extend(batch, fb, out.next_token_logits)
 
     # ---- decode ----

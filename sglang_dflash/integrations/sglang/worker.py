@@ -171,10 +171,8 @@ class DFlashSGLangWorker(BaseSpecWorker):
         )
         logits_output = out.logits_output
         positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
-        self.materialize(logits_output.hidden_states, positions, batch.out_cache_loc)
+        self.prefill_draft(batch.reqs, logits_output.hidden_states, positions, batch.out_cache_loc)
         logits_output.hidden_states = None
-        for req in batch.reqs:
-            req.spec_state = None  # a new or recomputed request: its proposer state starts over
         if any(has_penalties(r.sampling_params) for r in batch.reqs):
             if self.penalties is None:
                 vocab = self.target_worker.model_runner.model_config.vocab_size
@@ -271,10 +269,12 @@ class DFlashSGLangWorker(BaseSpecWorker):
         if info.logit_bias is not None:
             rows.add_(info.logit_bias[:, None])
 
-    def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
-        """Draft context K/V of these prompt tokens from the target's captured features."""
+    def prefill_draft(self, reqs: list, features: torch.Tensor, positions: torch.Tensor,
+                      out_cache_loc: torch.Tensor) -> None:
+        """The requests' proposer states and the draft context K/V of these prompt tokens (`DFlashStep.prefill`)
+        from the target's captured features."""
         if features is None or features.shape[0] != positions.shape[0]:
             got = None if features is None else tuple(features.shape)
             raise RuntimeError(f"sglang_dflash: expected captured target features for {positions.shape[0]} tokens, "
                                f"got {got}")
-        self.step.materialize(features, positions, out_cache_loc.to(torch.int64))
+        self.step.prefill(reqs, features, positions, out_cache_loc.to(torch.int64))
