@@ -31,17 +31,25 @@ def triton_available() -> bool:
     return triton_import_error() is None
 
 
+@functools.cache
+def forced_backend() -> str:
+    """`SGLANG_DFLASH_KERNELS`, read once per process ("" when unset; every kernel call asks, so it is cached:
+    whoever changes the variable at run time, as the tests do, calls `forced_backend.cache_clear()`)."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced not in ("", "torch", "triton"):
+        raise ValueError(f"{ENV_VAR} must be 'torch' or 'triton', got {forced!r}")
+    return forced
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether kernels called on `tensor` should run the Triton implementation."""
-    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    forced = forced_backend()
     if forced == "torch":
         return False
     if forced == "triton":
         if not triton_available():
             raise RuntimeError(f"{ENV_VAR}=triton but triton is unavailable ({triton_import_error()})")
         return True
-    if forced:
-        raise ValueError(f"{ENV_VAR} must be 'torch' or 'triton', got {forced!r}")
     return tensor.device.type in _TRITON_DEVICES and triton_available()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_dflash.kernels.backend import ENV_VAR
+from sglang_dflash.kernels.backend import forced_backend
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
@@ -20,7 +20,7 @@ NAMES = ("argmax", "decode_attention", "linear_bf16", "rms_norm", "rope")
 def cpu_kernel(name: str):
     """The built extension `csrc/{name}.cpp` for CPU tensors, or None: not built here, or `SGLANG_DFLASH_KERNELS`
     forces a backend (torch, or Triton under its interpreter)."""
-    return None if os.environ.get(ENV_VAR, "").strip() else cpu_extension(name)
+    return None if forced_backend() else cpu_extension(name)
 
 
 @functools.cache

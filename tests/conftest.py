@@ -42,6 +42,23 @@ CHAT_PROMPTS = [
 ]
 
 
+@pytest.fixture
+def force_kernels(monkeypatch: pytest.MonkeyPatch):
+    """force_kernels(value): SGLANG_DFLASH_KERNELS=value (None: unset) for this test; the kernel backend is read once
+    per process (`forced_backend`), so its cache is cleared with each change and after the test."""
+    from sglang_dflash.kernels.backend import ENV_VAR, forced_backend
+
+    def force(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(ENV_VAR, value)
+        forced_backend.cache_clear()
+
+    yield force
+    forced_backend.cache_clear()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def release_helper_engines() -> None:
     """The helpers' cached engines (about 1 GB each in float32) live for one test module: holding all of them for

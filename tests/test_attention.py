@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_dflash.kernels.backend import ENV_VAR
 from sglang_dflash.kernels.decode_attention import attends_in_tiles, reads_runs
 from sglang_dflash.runtime import attention
 from sglang_dflash.runtime.attention import TorchNativeAttnBackend
@@ -34,7 +33,7 @@ LAYOUTS = {"default": None, "padded": (0, 0.0), "hybrid": (0, 0.6), "single-rows
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", range(6))
-def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monkeypatch):
+def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monkeypatch, force_kernels):
     """Whatever the layout (the longest blocks padded as one group, every other token a 1-token row): equal
     to per-request attention. "runs": the C++ decode kernel, which reads a request's consecutive rows together,
     takes every block up to SMALL_Q tokens as 1-token rows (every block where it attends in tiles); the others lay
@@ -43,7 +42,7 @@ def test_ragged_batches_match_per_request_attention(seed: int, layout: str, monk
         if not reads_runs(torch.device("cpu")):
             pytest.skip("no C++ decode-attention kernel here")
     else:
-        monkeypatch.setenv(ENV_VAR, "torch")
+        force_kernels("torch")
     if LAYOUTS[layout] is not None:
         monkeypatch.setattr(attention, "GROUP_COST", dict.fromkeys((2, 4), LAYOUTS[layout][0]))
         monkeypatch.setattr(attention, "PADDED_POSITION_COST", LAYOUTS[layout][1])

@@ -1,7 +1,8 @@
 """Decode attention from the paged pool (`kernels.decode_attention`): the CPU C++ kernel, the Triton kernel
 (CUDA/XPU; here through the Triton interpreter) and the torch reference against per-row float64 softmax
 attention, on random pools with odd shapes, int32/int64 slot tables, bf16 and float32 caches, non-contiguous
-queries and empty rows."""
+queries and empty rows (the C++ kernel's bf16 dot-product path against softmax weights rounded to bf16, as it
+rounds them)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ if DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel module is imported
 
 
-def per_row(q, k_cache, v_cache, req_to_token, rows, seq_lens, scale):
+def per_row(q, k_cache, v_cache, req_to_token, rows, seq_lens, scale, bf16_weights=False):
+    """Per-row float64 attention; bf16_weights: the softmax weights rounded (float32, then bf16) before p . v, as the
+    C++ kernel's bf16 dot-product path does (`dot_path`)."""
     bs, nh, hd = q.shape
     g = nh // k_cache.shape[1]
     out = torch.zeros(bs, nh, hd, dtype=torch.float64)
@@ -31,17 +34,26 @@ def per_row(q, k_cache, v_cache, req_to_token, rows, seq_lens, scale):
         k = k_cache[slots].double().repeat_interleave(g, 1)  # [L, nH, hd]
         v = v_cache[slots].double().repeat_interleave(g, 1)
         w = torch.einsum("hd,lhd->hl", q[i].double(), k).mul(scale).softmax(-1)
+        if bf16_weights:
+            w = w.float().bfloat16().double()
         out[i] = torch.einsum("hl,lhd->hd", w, v)
     return out
 
 
-SHAPES = [(1, 1, 1, 64), (5, 3, 3, 64), (7, 2, 4, 128), (3, 1, 5, 40), (9, 4, 2, 80)]  # bs, nKV, g, hd
+def dot_path(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernel takes its bf16 dot-product path here (AVX512-BF16, bf16 q and cache, head dim a multiple
+    of 32): the softmax weights are then rounded to bf16 for p . v."""
+    ext = cpu_extension("decode_attention")
+    return q.dtype == k_cache.dtype == torch.bfloat16 and ext is not None and ext.dot_bf16(q.shape[-1])
+
+
+SHAPES = [(1, 1, 1, 64), (5, 3, 3, 64), (7, 2, 4, 128), (3, 1, 5, 40), (9, 4, 2, 80), (6, 2, 3, 96)]  # bs, nKV, g, hd
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("impl", ["kernel", "triton", "torch"])
-def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype, monkeypatch):
+def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype, force_kernels):
     bs, nkv, g, hd = shape
     gen = torch.Generator().manual_seed(bs * 1000 + hd)
     slots, reqs, ctx = 700, 6, 97
@@ -64,14 +76,14 @@ def test_matches_per_row_attention(impl: str, shape: tuple, dtype: torch.dtype, 
     elif impl == "triton":
         if not triton_available():
             pytest.skip(f"triton unusable: {triton_import_error()}")
-        monkeypatch.setenv("SGLANG_DFLASH_KERNELS", "triton")
+        force_kernels("triton")
         device_args = [x.to(DEVICE) for x in (q, k_cache, v_cache, table, rows, seq_lens)]
         got = decode_attention(*device_args, scale, ctx).cpu()
     else:
         got = decode_attention_torch(q, k_cache, v_cache, table, rows, seq_lens, scale, ctx)
     assert got.dtype == torch.float32 and got.shape == (bs, nkv * g, hd)
-    torch.testing.assert_close(got.double(), per_row(q, k_cache, v_cache, table, rows, seq_lens, scale),
-                               atol=1e-5, rtol=1e-5)
+    want = per_row(q, k_cache, v_cache, table, rows, seq_lens, scale, impl == "kernel" and dot_path(q, k_cache))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,8 +103,8 @@ def test_rows_of_one_request_read_together_match_alone(dtype: torch.dtype):
     seq_lens[5] = 0  # an empty row inside a run
     q = torch.randn(len(rows), nkv * g, hd, generator=gen).to(dtype)
     got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, hd**-0.5, ctx)
-    torch.testing.assert_close(got.double(), per_row(q, k_cache, v_cache, table, rows, seq_lens, hd**-0.5),
-                               atol=1e-5, rtol=1e-5)
+    want = per_row(q, k_cache, v_cache, table, rows, seq_lens, hd**-0.5, dot_path(q, k_cache))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     for i in range(len(rows)):
         alone = decode_attention(q[i : i + 1], k_cache, v_cache, table, rows[i : i + 1], seq_lens[i : i + 1],
                                  hd**-0.5, ctx)
@@ -114,12 +126,12 @@ def test_rows_past_the_slot_table_are_refused():
         decode_attention(q, k_cache, v_cache, table, torch.tensor([2]), torch.tensor([5]), 0.25, 5)
 
 
-def test_forced_torch_backend_uses_the_reference(monkeypatch):
+def test_forced_torch_backend_uses_the_reference(force_kernels):
     """SGLANG_DFLASH_KERNELS=torch routes to the torch reference (bit-identical to calling it)."""
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(2, 50, 2, 16, generator=gen)
     table, rows, seq_lens = torch.arange(50).view(2, 25), torch.tensor([1, 0]), torch.tensor([25, 3])
     q = torch.randn(2, 4, 16, generator=gen)
-    monkeypatch.setenv("SGLANG_DFLASH_KERNELS", "torch")
+    force_kernels("torch")
     got = decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.25, 25)
     assert torch.equal(got, decode_attention_torch(q, k_cache, v_cache, table, rows, seq_lens, 0.25, 25))

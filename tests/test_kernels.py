@@ -404,16 +404,16 @@ def test_sampling_is_lossless() -> None:
 # ---------------------------------------------------------------- dispatch
 
 
-def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_selection(force_kernels) -> None:
     cpu = torch.zeros(1)
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    force_kernels(None)
     assert not use_triton(cpu)
-    monkeypatch.setenv(ENV_VAR, "torch")
+    force_kernels("torch")
     assert not use_triton(cpu)
-    monkeypatch.setenv(ENV_VAR, "cuda")
+    force_kernels("cuda")
     with pytest.raises(ValueError, match=ENV_VAR):
         use_triton(cpu)
-    monkeypatch.setenv(ENV_VAR, "triton")
+    force_kernels("triton")
     if triton_available():
         assert use_triton(cpu)
     else:
@@ -422,8 +422,8 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_dispatchers_run_forced_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_VAR, backend)
+def test_dispatchers_run_forced_backend(backend: str, force_kernels) -> None:
+    force_kernels(backend)
     case = on_device(greedy_case(4, 5, seed=0))
     assert torch.equal(greedy_accept(**case)[2], greedy_accept_torch(**case)[2])
     case = on_device(sampling_case(3, 4, 20, seed=0))

@@ -19,20 +19,18 @@ a row's output is then bit-identical whatever else is in the batch."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_dflash.kernels.backend import ENV_VAR
+from sglang_dflash.kernels.backend import forced_backend
 from sglang_dflash.kernels.cpu_extensions import cpu_extension
 
 
 def bf16_kernel():
     """The AVX512-BF16 linear kernel, or None where it is not built, the CPU lacks the instructions, or
     `SGLANG_DFLASH_KERNELS=torch` (oneDNN then)."""
-    if os.environ.get(ENV_VAR, "").strip().lower() == "torch":
+    if forced_backend() == "torch":
         return None
     ext = cpu_extension("linear_bf16")
     return ext if ext is not None and ext.supported() else None

@@ -39,6 +39,8 @@ TYPICAL_SPEC_TOKENS = 16  # speculative verify tokens of the prior's steps
 PROBE_TOKENS = (1, 16)  # verify sizes timed at start-up to check a cached calibration ...
 STALE = 1.3  # ... which is redone when off by more than this factor
 MAX_UNFITTED = 256  # observed steps folded into the fit's sums at the latest after this many
+REFIT_STEPS = 16  # predictions use the fit of at most this many steps ago (a refit costs ~0.2 ms: every plan's
+# refit was a third of the planning time at 16 requests)
 TILE_ROWS = 16  # the row tile of a CPU GEMM (oneDNN); where the tiles do not step the cost, g stays 0
 LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0, 0.0])  # a, c, b, e, g: more tokens never cost less
 
@@ -119,8 +121,10 @@ class CostModel:
         return float(self.step_times(verify_tokens, draft_tokens, requests))
 
     def step_times(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
-        """step_time of many candidate steps at once (arrays of token counts)."""
-        return self.features(verify_tokens, draft_tokens, requests) @ self.coef
+        """step_time of many candidate steps at once (arrays of token counts), by the fit of at most REFIT_STEPS
+        observed steps ago."""
+        coef = self.coef if len(self.unfitted) >= REFIT_STEPS else self._coef
+        return self.features(verify_tokens, draft_tokens, requests) @ coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
         """One measured step (`coef` follows when next read)."""

@@ -52,6 +52,7 @@ CHECK_GAIN = 1.25  # ... once in this many steps, so the cost model keeps measur
 PLAIN_SKIP = 8  # at most this many unplanned plain steps after plans of plain rows only
 MATERIALISE_FLOOR = 0.5  # the acceptance at every block position DFlash is credited with at least in that decision
 MATERIALISE_OFF_AFTER = 8  # plans in a row in which no DFlash block could pay before materialisation stops
+PAYS_EVERY = 16  # plans between evaluations of whether a DFlash block could pay at a batch size (they cost ~0.2 ms)
 LOOKUP_PRIOR = {2: 0.55, 3: 0.65}  # initial acceptance of a lookup proposal by match length (0.8 beyond):
 # measured on held-out greedy responses (data/responses), n = 2: 0.56 0.69 0.78, n = 4: 0.95 0.95 0.98
 
@@ -122,6 +123,8 @@ class SpecPolicy:
         self.unplanned = 0  # unplanned steps since the last plan (they earn exploring credit too)
         self.materialise = True  # whether the draft's context K/V of committed tokens is worth writing ...
         self.cannot_pay = 0  # ... (off after MATERIALISE_OFF_AFTER plans in a row in which DFlash could not pay)
+        self.pays: dict[tuple[int, int], bool] = {}  # (requests, width) -> whether DFlash could pay, lately
+        self.plans = 0  # plans made
 
     def new_state(self) -> ReqSpecState:
         o = self.options
@@ -149,6 +152,7 @@ class SpecPolicy:
                 for (t, n), lim in zip(lookups, limits)
             ]
         bs = len(states)
+        self.plans += 1
         self._decide_materialise(bs, max(limits))
         keys = [lookup_key(n) if t else None for t, n in lookups]
         look = self.gain_matrix(states, keys, [len(t) for t, _ in lookups])
@@ -172,21 +176,29 @@ class SpecPolicy:
         return plans
 
     def _decide_materialise(self, bs: int, limit: int) -> None:
-        """`materialise` for a batch of bs requests: on while DFlash blocks of some width (the same for every
-        request, up to `limit`) would beat plain rows, crediting each block position with the shared prior's
-        acceptance (scaled by what DFlash realised) or MATERIALISE_FLOOR, whichever is higher; off after
-        MATERIALISE_OFF_AFTER plans in a row in which none would."""
+        """`materialise` for a batch of bs requests: on while DFlash blocks could pay at this size
+        (`_dflash_could_pay`, re-evaluated every PAYS_EVERY plans), off after MATERIALISE_OFF_AFTER plans in a row
+        in which they could not."""
         width = min(limit, self.options.block_size)
-        if width > 1:
-            real = self.realised[DFLASH]
-            est = np.maximum(np.array(self.prior[DFLASH][: width - 1]) * real[1] / real[0], MATERIALISE_FLOOR)
-            widths = np.arange(2, width + 1)
-            rates = bs * (1 + np.cumsum(np.cumprod(est))) / self.cost.step_times(bs * widths, bs * widths, bs)
-            if rates.max() > bs / self.cost.step_time(bs, 0, bs):
-                self.cannot_pay, self.materialise = 0, True
-                return
+        if self.plans % PAYS_EVERY == 0:
+            self.pays.clear()
+        if (bs, width) not in self.pays:
+            self.pays[bs, width] = width > 1 and self._dflash_could_pay(bs, width)
+        if self.pays[bs, width]:
+            self.cannot_pay, self.materialise = 0, True
+            return
         self.cannot_pay += 1
         self.materialise = self.cannot_pay < MATERIALISE_OFF_AFTER
+
+    def _dflash_could_pay(self, bs: int, width: int) -> bool:
+        """Whether DFlash blocks of some width (the same for every request, up to `width`) would beat plain rows for
+        bs requests, crediting each block position with the shared prior's acceptance (scaled by what DFlash
+        realised) or MATERIALISE_FLOOR, whichever is higher."""
+        real = self.realised[DFLASH]
+        est = np.maximum(np.array(self.prior[DFLASH][: width - 1]) * real[1] / real[0], MATERIALISE_FLOOR)
+        widths = np.arange(2, width + 1)
+        rates = bs * (1 + np.cumsum(np.cumprod(est))) / self.cost.step_times(bs * widths, bs * widths, bs)
+        return bool(rates.max() > bs / self.cost.step_time(bs, 0, bs))
 
     def _score_shadow(self, st: ReqSpecState) -> None:
         """Learns from a lookup proposal the plan did not verify, once the tokens it predicted are committed: the
