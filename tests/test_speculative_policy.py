@@ -69,7 +69,7 @@ def test_cost_model_is_monotone_and_interpolates():
         # measured: twice the calibration plus 5 ms per speculative verify token
         flat.observe(tokens, 0, requests, 2 * flat.calibrated(tokens, 0) + 0.005 * (tokens - requests))
     assert flat.step_time(4, 0, 4) < flat.step_time(16, 0, 4)
-    a, _, _, e, _ = flat.coef  # the prior a = 1, e = 0 fades
+    a, _, _, e, _, _ = flat.coef  # the prior a = 1, e = 0 fades
     assert 1.7 < a < 2.3 and 0.003 < e < 0.007
     assert flat.step_time(16, 0, 4) == pytest.approx(2 * 0.05 + 0.005 * 12, rel=0.05)
 
@@ -109,6 +109,27 @@ def test_cost_model_learns_the_tile_step_of_a_real_batch():
         assert cost.step_time(tokens, 0, requests) == pytest.approx(measured(tokens, requests), rel=0.02)
     jump = cost.step_time(33, 0, 32) - cost.step_time(32, 0, 32)
     assert jump == pytest.approx(measured(33, 32) - measured(32, 32), rel=0.1) and cost.coef[4] > 0.006
+
+
+def test_cost_model_fits_each_batch_size_from_steps_of_about_its_size():
+    """A CPU batch of 16 is compute-bound (each request and speculative token costs real time beyond the one-request
+    calibration) where a batch of 1 streams weights (the calibration holds, a little slower): fitted from steps of
+    both, each is predicted from its own (before, one fit across sizes priced the last requests of a batch at
+    full-batch costs and they stopped speculating)."""
+    cost = CostModel({1: 0.0128, 8: 0.014, 16: 0.0174, 24: 0.023, 32: 0.029}, {16: 0.003})
+    rng = np.random.default_rng(1)
+
+    def measured(tokens: int, requests: int) -> float:
+        if requests >= 8:
+            return cost.calibrated(tokens, 0) + 0.00075 * requests + 0.0006 * (tokens - requests)
+        return 1.1 * cost.calibrated(tokens, 0)
+
+    for _ in range(300):
+        requests = int(rng.choice([1, 12, 14, 16, 16, 16]))
+        tokens = requests + int(rng.choice([0, 0, 0, 8]))
+        cost.observe(tokens, 0, requests, measured(tokens, requests))
+    for requests, tokens in ((1, 1), (1, 9), (16, 16), (16, 24), (14, 22)):
+        assert cost.step_time(tokens, 0, requests) == pytest.approx(measured(tokens, requests), rel=0.03)
 
 
 def test_cost_model_cache(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ From timed forwards of the real target and drafter on the actual device at start
 request, short context; piecewise-linear in the tokens), then corrected online from measured steps by least
 squares that forget old steps:
 
-    seconds ~ a * verify(R) + b * (verify(T) - verify(R)) + e * (T - R) + g * tiles(R, T) + c * draft(D)
+    seconds ~ a * verify(R) + b * (verify(T) - verify(R)) + e * (T - R) + g * tiles(R, T) + c * draft(D) + f * R
 
 R the requests, T the verify tokens, D the draft tokens. `a` scales the calibrated forward of R tokens to what a
 real batch of R requests costs (attention over long contexts, host work); `b` the calibrated cost of the
@@ -13,7 +13,16 @@ boundary, e.g. 32 -> 33, which the calibration sees); `e` what each such token a
 (attention over its request's context: ~0.5-1.5 ms on a 2-core CPU at 300-700 positions); `g` what each
 TILE_ROWS-row tile the speculative tokens start adds in a real batch beyond the calibration's step (measured at 32
 requests and 400 positions: 33 rows +9% over 32, the next rows ~1 ms each; the calibration's own 32 -> 33 step is
-a few ms); `c` the draft forward's share. Priors a = b = c = 1, e = g = 0.
+a few ms); `c` the draft forward's share; `f` what each request adds beyond the calibration's 1-token rows (attention
+over its context, its host work: at 16 requests and ~400 positions a real step took ~29 ms against the calibration's
+17 ms; fitted by `a` alone, a batch of 1 was then predicted at 1.7x its time and the policy stopped speculating for
+the last requests of a batch, where it pays most). Priors a = b = c = 1, e = g = f = 0.
+
+A step of R requests is predicted by a fit of the steps of about R requests (`coef_at`: each observed batch size
+weighs exp(-2 log2(R' / R)^2), ~0.14 an octave away, nothing two octaves away) with the prior: a CPU batch of 16
+is compute-bound where a batch of 1 streams weights, so what a speculative token or the draft forward costs at 16
+requests says little about 1 (fitted across all sizes, a batch of 1 was predicted to take 43 ms for a 16-token
+DFlash block the calibration timed at 20 ms, and the last requests of a batch stopped speculating).
 """
 
 from __future__ import annotations
@@ -42,7 +51,8 @@ MAX_UNFITTED = 256  # observed steps folded into the fit's sums at the latest af
 REFIT_STEPS = 16  # predictions use the fit of at most this many steps ago (a refit costs ~0.2 ms: every plan's
 # refit was a third of the planning time at 16 requests)
 TILE_ROWS = 16  # the row tile of a CPU GEMM (oneDNN); where the tiles do not step the cost, g stays 0
-LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0, 0.0])  # a, c, b, e, g: more tokens never cost less
+LOWER_BOUNDS = np.array([0.2, 0.2, 0.0, 0.0, 0.0, 0.0])  # a, c, b, e, g, f: more tokens never cost less
+PRIOR_COEF = np.array([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # a, c, b, e, g, f: the calibration as timed
 
 
 class Curve:
@@ -70,45 +80,79 @@ class CostModel:
     def __init__(self, verify: dict[int, float], draft: dict[int, float]):
         self.verify = Curve(verify)
         self.draft = Curve(draft)
-        self._coef = np.array([1.0, 1.0, 1.0, 0.0, 0.0])  # a, c, b, e, g
+        self._coef = PRIOR_COEF.copy()
         # the prior weighs as PRIOR_WEIGHT steps of typical features, and never fades
         spec = self.calibrated(1 + TYPICAL_SPEC_TOKENS, 0) - self.calibrated(1, 0)
-        typical = np.array([self.verify.points[0][1], self.draft.points[0][1], spec, float(TYPICAL_SPEC_TOKENS), 1.0])
+        typical = np.array([self.verify.points[0][1], self.draft.points[0][1], spec, float(TYPICAL_SPEC_TOKENS), 1.0,
+                            1.0])
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
         self.prior_xy = self.prior_xx @ self._coef
-        self.xx = np.zeros((5, 5))
-        self.xy = np.zeros(5)
-        self.held = (False,) * 5  # the coefficients at their lower bounds in the last fit
+        self.xx = np.zeros((6, 6))
+        self.xy = np.zeros(6)
+        self.held = (False,) * 6  # the coefficients at their lower bounds in the last fit
         self.unfitted: list[tuple[int, int, int, float]] = []  # steps observed since the last fit
+        self.by_requests: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the sums of the steps of each batch size
+        self.local: dict[int, tuple[np.ndarray, tuple[bool, ...]]] = {}  # coef_at's fits since the last fold
+        self.stale = False  # `coef` is behind the sums
 
     @property
     def coef(self) -> np.ndarray:
-        """(a, c, b, e, g), refit within LOWER_BOUNDS from the steps observed since the last fit (when read, not per
+        """(a, c, b, e, g, f), refit within LOWER_BOUNDS from the steps observed since the last fit (when read, not per
         step: under load most steps run unplanned and nothing reads it)."""
         if self.unfitted:
             self._fold()
+        if self.stale:
             self._coef, self.held = _bounded_solve(self.xx + self.prior_xx, self.xy + self.prior_xy, LOWER_BOUNDS,
                                                    self.held)
+            self.stale = False
         return self._coef
 
     def _fold(self) -> None:
-        """Adds the unfitted steps to the least-squares sums, each weighing FORGET less per later step."""
+        """Adds the unfitted steps to the least-squares sums (all, and per batch size), each weighing FORGET less per
+        later step."""
         verify, draft, requests, seconds = (np.array(c) for c in zip(*self.unfitted))
         self.unfitted = []
         x = self.features(verify, draft, requests)
         w = FORGET ** np.arange(len(seconds) - 1, -1, -1, dtype=np.float64)
-        self.xx = FORGET ** len(seconds) * self.xx + (x * w[:, None]).T @ x
-        self.xy = FORGET ** len(seconds) * self.xy + (w * seconds) @ x
+        decay = FORGET ** len(seconds)
+        self.xx = decay * self.xx + (x * w[:, None]).T @ x
+        self.xy = decay * self.xy + (w * seconds) @ x
+        for r, (xx, xy) in self.by_requests.items():
+            self.by_requests[r] = (decay * xx, decay * xy)
+        for r in np.unique(requests).tolist():
+            rows = requests == r
+            xr, wr = x[rows], w[rows]
+            xx, xy = self.by_requests.get(r, (0.0, 0.0))
+            self.by_requests[r] = (xx + (xr * wr[:, None]).T @ xr, xy + (wr * seconds[rows]) @ xr)
+        self.local = {r: (np.zeros(0), held) for r, (_, held) in self.local.items()}  # refit when next asked
+        self.stale = True
+
+    def coef_at(self, requests: int) -> np.ndarray:
+        """(a, c, b, e, g, f) for steps of `requests` requests: the bounded fit of the observed steps weighted by how
+        near their batch size is (see the module docstring), with the prior."""
+        coef, held = self.local.get(requests, (np.zeros(0), (False,) * 6))
+        if coef.size:
+            return coef
+        xx, xy, near = self.prior_xx.copy(), self.prior_xy.copy(), False
+        for r, (rxx, rxy) in self.by_requests.items():
+            weight = np.exp(-2.0 * np.log2(r / requests) ** 2)
+            if weight > 1e-6:
+                xx, xy, near = xx + weight * rxx, xy + weight * rxy, True
+        # no step of a near size: the prior's coefficients (its sums alone can be singular: a flat calibration)
+        coef, held = _bounded_solve(xx, xy, LOWER_BOUNDS, held) if near else (PRIOR_COEF, held)
+        self.local[requests] = (coef, held)
+        return coef
 
     def features(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
-        """[..., 5]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
+        """[..., 6]: calibrated verify time of one token per request, calibrated draft time (0 without a draft
         forward), calibrated verify time of the speculative tokens (those beyond one per request), their count,
-        the GEMM row tiles they start."""
+        the GEMM row tiles they start, the requests."""
         verify_tokens, requests = np.asarray(verify_tokens, np.int64), np.asarray(requests, np.int64)
         base = self.verify(requests)
         tiles = (-requests // TILE_ROWS) - (-verify_tokens // TILE_ROWS)  # ceil(T / tile) - ceil(R / tile)
         return np.stack(np.broadcast_arrays(
             base, self.draft(draft_tokens), self.verify(verify_tokens) - base, verify_tokens - requests, tiles,
+            requests,
         ), axis=-1).astype(np.float64)
 
     def calibrated(self, verify_tokens: int, draft_tokens: int) -> float:
@@ -120,11 +164,12 @@ class CostModel:
         forward over `draft_tokens` (0: no draft forward)."""
         return float(self.step_times(verify_tokens, draft_tokens, requests))
 
-    def step_times(self, verify_tokens, draft_tokens, requests) -> np.ndarray:
-        """step_time of many candidate steps at once (arrays of token counts), by the fit of at most REFIT_STEPS
-        observed steps ago."""
-        coef = self.coef if len(self.unfitted) >= REFIT_STEPS else self._coef
-        return self.features(verify_tokens, draft_tokens, requests) @ coef
+    def step_times(self, verify_tokens, draft_tokens, requests: int) -> np.ndarray:
+        """step_time of many candidate steps of `requests` requests at once (arrays of token counts), by the fit of
+        at most REFIT_STEPS observed steps ago."""
+        if len(self.unfitted) >= REFIT_STEPS:
+            self._fold()
+        return self.features(verify_tokens, draft_tokens, requests) @ self.coef_at(int(requests))
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
         """One measured step (`coef` follows when next read)."""
