@@ -15,14 +15,13 @@ TILE_ROWS-row tile the speculative tokens start adds in a real batch beyond the 
 requests and 400 positions: 33 rows +9% over 32, the next rows ~1 ms each; the calibration's own 32 -> 33 step is
 a few ms); `c` the draft forward's share; `f` what each request adds beyond the calibration's 1-token rows (attention
 over its context, its host work: at 16 requests and ~400 positions a real step took ~29 ms against the calibration's
-17 ms; fitted by `a` alone, a batch of 1 was then predicted at 1.7x its time and the policy stopped speculating for
-the last requests of a batch, where it pays most). Priors a = b = c = 1, e = g = f = 0.
+17 ms). Priors a = b = c = 1, e = g = f = 0.
 
 A step of R requests is predicted by a fit of the steps of about R requests (`coef_at`: each observed batch size
 weighs exp(-2 log2(R' / R)^2), ~0.14 an octave away, nothing two octaves away) with the prior: a CPU batch of 16
 is compute-bound where a batch of 1 streams weights, so what a speculative token or the draft forward costs at 16
-requests says little about 1 (fitted across all sizes, a batch of 1 was predicted to take 43 ms for a 16-token
-DFlash block the calibration timed at 20 ms, and the last requests of a batch stopped speculating).
+requests says little about 1 (fitted across all sizes, a lone request left at the end of a wave of 16 was predicted
+at 33-37 ms for a 16-token DFlash block the calibration timed at 20 ms, and the last requests stopped speculating).
 """
 
 from __future__ import annotations
