@@ -69,13 +69,13 @@ def test_cost_model_is_monotone_and_interpolates():
         # measured: twice the calibration plus 5 ms per speculative verify token
         flat.observe(tokens, 0, requests, 2 * flat.calibrated(tokens, 0) + 0.005 * (tokens - requests))
     assert flat.step_time(4, 0, 4) < flat.step_time(16, 0, 4)
-    a, _, _, e, _, _ = flat.coef  # the prior a = 1, e = 0 fades
+    a, _, _, e, _, _ = flat.coef_at(4)  # the prior a = 1, e = 0 fades
     assert 1.7 < a < 2.3 and 0.003 < e < 0.007
     assert flat.step_time(16, 0, 4) == pytest.approx(2 * 0.05 + 0.005 * 12, rel=0.05)
 
 
 def test_cost_model_fits_the_same_read_late_or_every_step():
-    """Observed steps are folded into the fit when `coef` is read: the same sums, to rounding, as folding each
+    """Observed steps are folded into the fit when a fit is read: the same sums, to rounding, as folding each
     step at once (the newest weighing most)."""
     rng = random.Random(3)
     steps = [(r + rng.randrange(0, 20), rng.choice((0, 16, 32)), r, rng.uniform(0.02, 0.2))
@@ -83,11 +83,13 @@ def test_cost_model_fits_the_same_read_late_or_every_step():
     every, late = (CostModel({1: 0.05, 16: 0.06, 64: 0.1}, {16: 0.01, 64: 0.03}) for _ in range(2))
     for step in steps:
         every.observe(*step)
-        every.coef  # read every step  # noqa: B018
+        every.coef_at(16)  # read every step
         late.observe(*step)
-    np.testing.assert_allclose(late.coef, every.coef, rtol=1e-6, atol=1e-12)
-    np.testing.assert_allclose(late.xx, every.xx, rtol=1e-9)
-    np.testing.assert_allclose(late.xy, every.xy, rtol=1e-9)
+    np.testing.assert_allclose(late.coef_at(16), every.coef_at(16), rtol=1e-6, atol=1e-12)
+    assert late.by_requests.keys() == every.by_requests.keys()
+    for r, (xx, xy) in late.by_requests.items():
+        np.testing.assert_allclose(xx, every.by_requests[r][0], rtol=1e-9)
+        np.testing.assert_allclose(xy, every.by_requests[r][1], rtol=1e-9)
 
 
 def test_cost_model_learns_the_tile_step_of_a_real_batch():
@@ -108,7 +110,7 @@ def test_cost_model_learns_the_tile_step_of_a_real_batch():
     for requests, tokens in ((32, 33), (32, 40), (20, 23), (20, 36)):
         assert cost.step_time(tokens, 0, requests) == pytest.approx(measured(tokens, requests), rel=0.02)
     jump = cost.step_time(33, 0, 32) - cost.step_time(32, 0, 32)
-    assert jump == pytest.approx(measured(33, 32) - measured(32, 32), rel=0.1) and cost.coef[4] > 0.006
+    assert jump == pytest.approx(measured(33, 32) - measured(32, 32), rel=0.1) and cost.coef_at(32)[4] > 0.006
 
 
 def test_cost_model_fits_each_batch_size_from_steps_of_about_its_size():

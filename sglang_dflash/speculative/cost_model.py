@@ -79,43 +79,24 @@ class CostModel:
     def __init__(self, verify: dict[int, float], draft: dict[int, float]):
         self.verify = Curve(verify)
         self.draft = Curve(draft)
-        self._coef = PRIOR_COEF.copy()
         # the prior weighs as PRIOR_WEIGHT steps of typical features, and never fades
         spec = self.calibrated(1 + TYPICAL_SPEC_TOKENS, 0) - self.calibrated(1, 0)
         typical = np.array([self.verify.points[0][1], self.draft.points[0][1], spec, float(TYPICAL_SPEC_TOKENS), 1.0,
                             1.0])
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
-        self.prior_xy = self.prior_xx @ self._coef
-        self.xx = np.zeros((6, 6))
-        self.xy = np.zeros(6)
-        self.held = (False,) * 6  # the coefficients at their lower bounds in the last fit
-        self.unfitted: list[tuple[int, int, int, float]] = []  # steps observed since the last fit
-        self.by_requests: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the sums of the steps of each batch size
+        self.prior_xy = self.prior_xx @ PRIOR_COEF
+        self.unfitted: list[tuple[int, int, int, float]] = []  # steps observed since the last fold
+        self.by_requests: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # least-squares sums per batch size
         self.local: dict[int, tuple[np.ndarray, tuple[bool, ...]]] = {}  # coef_at's fits since the last fold
-        self.stale = False  # `coef` is behind the sums
-
-    @property
-    def coef(self) -> np.ndarray:
-        """(a, c, b, e, g, f), refit within LOWER_BOUNDS from the steps observed since the last fit (when read, not per
-        step: under load most steps run unplanned and nothing reads it)."""
-        if self.unfitted:
-            self._fold()
-        if self.stale:
-            self._coef, self.held = _bounded_solve(self.xx + self.prior_xx, self.xy + self.prior_xy, LOWER_BOUNDS,
-                                                   self.held)
-            self.stale = False
-        return self._coef
 
     def _fold(self) -> None:
-        """Adds the unfitted steps to the least-squares sums (all, and per batch size), each weighing FORGET less per
-        later step."""
+        """Adds the unfitted steps to the least-squares sums of their batch sizes, each weighing FORGET less per later
+        step."""
         verify, draft, requests, seconds = (np.array(c) for c in zip(*self.unfitted))
         self.unfitted = []
         x = self.features(verify, draft, requests)
         w = FORGET ** np.arange(len(seconds) - 1, -1, -1, dtype=np.float64)
         decay = FORGET ** len(seconds)
-        self.xx = decay * self.xx + (x * w[:, None]).T @ x
-        self.xy = decay * self.xy + (w * seconds) @ x
         for r, (xx, xy) in self.by_requests.items():
             self.by_requests[r] = (decay * xx, decay * xy)
         for r in np.unique(requests).tolist():
@@ -124,11 +105,13 @@ class CostModel:
             xx, xy = self.by_requests.get(r, (0.0, 0.0))
             self.by_requests[r] = (xx + (xr * wr[:, None]).T @ xr, xy + (wr * seconds[rows]) @ xr)
         self.local = {r: (np.zeros(0), held) for r, (_, held) in self.local.items()}  # refit when next asked
-        self.stale = True
 
     def coef_at(self, requests: int) -> np.ndarray:
-        """(a, c, b, e, g, f) for steps of `requests` requests: the bounded fit of the observed steps weighted by how
-        near their batch size is (see the module docstring), with the prior."""
+        """(a, c, b, e, g, f) for steps of `requests` requests: the fit within LOWER_BOUNDS of the observed steps
+        weighted by how near their batch size is (see the module docstring), with the prior; refit when read after a
+        fold (the coefficients held at their bounds last time are tried first)."""
+        if self.unfitted:
+            self._fold()
         coef, held = self.local.get(requests, (np.zeros(0), (False,) * 6))
         if coef.size:
             return coef
@@ -166,12 +149,13 @@ class CostModel:
     def step_times(self, verify_tokens, draft_tokens, requests: int) -> np.ndarray:
         """step_time of many candidate steps of `requests` requests at once (arrays of token counts), by the fit of
         at most REFIT_STEPS observed steps ago."""
-        if len(self.unfitted) >= REFIT_STEPS:
-            self._fold()
-        return self.features(verify_tokens, draft_tokens, requests) @ self.coef_at(int(requests))
+        requests = int(requests)
+        cached = self.local.get(requests, (np.zeros(0),))[0]
+        coef = cached if cached.size and len(self.unfitted) < REFIT_STEPS else self.coef_at(requests)
+        return self.features(verify_tokens, draft_tokens, requests) @ coef
 
     def observe(self, verify_tokens: int, draft_tokens: int, requests: int, seconds: float) -> None:
-        """One measured step (`coef` follows when next read)."""
+        """One measured step (the fits follow when next read, see `step_times`)."""
         if seconds > 0:
             self.unfitted.append((verify_tokens, draft_tokens, requests, seconds))
         if len(self.unfitted) >= MAX_UNFITTED:
@@ -182,7 +166,7 @@ class CostModel:
         return all(1 / STALE <= self.calibrated(n, 0) / t <= STALE for n, t in verify_times.items())
 
     def to_dict(self) -> dict:
-        return {"verify": dict(self.verify.points), "draft": dict(self.draft.points), "coef": self.coef.tolist()}
+        return {"verify": dict(self.verify.points), "draft": dict(self.draft.points)}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
