@@ -271,6 +271,43 @@ def test_outputs_with_the_cache_are_the_outputs_without(reference, dflash, algor
     assert_no_leak(engine)
 
 
+def prefilled(engine: Engine, ids: list[int]):
+    """A 1-token request run through its prefill (it then finishes); the Req, with its proposer state."""
+    req = engine.tokenizer_manager.make_req(None, ids, {"max_new_tokens": 1, "temperature": 0})
+    engine.scheduler.add_request(req)
+    while engine.scheduler.has_work():
+        engine.scheduler.run_step()
+    return req
+
+
+def test_a_cached_prefix_without_draft_context_is_not_drafted_from(monkeypatch, rel_err):
+    """Adaptive DFLASH where no DFlash block could pay at the batch's size (a loaded CPU): the draft context K/V of
+    the committed tokens is not written, yet the radix cache keeps them. Once DFlash may pay again, a second turn
+    that reuses such a prefix must not draft from it; where the first turns ran with DFlash paying, the cached
+    prefix holds the draft context a fresh prefill writes, and the second turn drafts."""
+    with Engine(dtype="float32", max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH") as engine:
+        step = engine.scheduler.worker.step
+        firsts = [[{"role": "user", "content": q}] for q in QUESTIONS]
+        for loaded in (True, False):
+            assert engine.flush_cache()
+            with monkeypatch.context() as patch:
+                if loaded:
+                    patch.setattr(step.policy, "_dflash_could_pay", lambda bs, width: False)
+                outs = engine.chat(firsts, {"temperature": 0, "max_new_tokens": FIRST})
+            assert step.policy.materialise is not loaded
+            step.policy.materialise = True  # the load is gone
+            seconds = [engine.tokenizer_manager.chat_ids(m + [{"role": "assistant", "content": o["text"]},
+                                                              {"role": "user", "content": FOLLOW_UP}])
+                       for m, o in zip(firsts, outs)]
+            if not loaded:
+                assert_cached_kv_is_prefill_kv(engine, seconds, rel_err)
+            for ids in seconds:
+                req = prefilled(engine, ids)
+                assert req.cached_tokens > len(ids) // 2
+                assert req.spec_state.drafts is not loaded
+            assert_no_leak(engine)
+
+
 def test_requests_admitted_after_evictions(reference, monkeypatch):
     """A pool that holds about one phase: the other requests evict the conversations (least recently used
     first), the second turns match what is left; retraction under pressure inserts, recomputation matches."""

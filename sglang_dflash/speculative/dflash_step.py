@@ -9,7 +9,9 @@ captured features, so DFlash can resume at any step whatever the source was. Tha
 the next draft forward (or prefill, or MAX_PENDING_TOKENS): steps without a draft forward (lookup or plain rows,
 most steps under load) do not pay for it, and the waiting steps' tokens go through one GEMM. Where the policy finds
 that no DFlash block could pay at the batch's size (`SpecPolicy.materialise`), nothing is materialised and the
-requests then running or prefilled stop drafting (`ReqSpecState.drafts`).
+requests then running or prefilled stop drafting (`ReqSpecState.drafts`). The step marks which slots hold draft
+K/V (`written`): the radix cache keeps every committed token, so a request whose cached prefix has slots without
+draft K/V does not draft either.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class DFlashStep:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (features, positions, slots)
         self.pending_tokens = 0
         self.max_pending_tokens = MAX_PENDING_TOKENS
+        self.written = torch.zeros(draft_pool.k_buffer.shape[1], dtype=torch.bool, device=draft_pool.k_buffer.device)
 
     def plan(self, reqs: list, host_current: bool, limits: list[int]) -> tuple[list[ReqSpecState], list[Plan]]:
         """The policy's plan for the next step of the host's requests (anything with `spec_state`,
@@ -81,17 +84,27 @@ class DFlashStep:
         return states, self.policy.plan(states, histories, limits)
 
     # ---- prefill and commit ----
-    def prefill(self, reqs: list, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
-        """A prefill (chunk) of the host's requests: their proposer states, and the draft context K/V of its tokens
-        where the policy materialises (else the requests stop drafting)."""
+    def prefill(self, reqs: list, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                req_to_token: torch.Tensor, req_pool_indices: list[int] | torch.Tensor, prefix_lens: list[int]) -> None:
+        """A prefill (chunk) of the host's requests (prefix_lens: the tokens before the chunk, cached or earlier
+        chunks): their proposer states, and the draft context K/V of its tokens where the policy materialises (else
+        the requests stop drafting). A request whose prefix has a slot without draft K/V stops drafting too (one host
+        read, where some prefix is reused)."""
         for r in reqs:
             if getattr(r, "spec_state", None) is None:
                 r.spec_state = self.policy.new_state()
         if self.policy.materialise:
             self.materialize(features, positions, out_cache_loc)
         else:
+            self.unwritten(out_cache_loc)
             for r in reqs:
                 r.spec_state.drafts = False
+        reused = [i for i, (r, n) in enumerate(zip(reqs, prefix_lens)) if n and r.spec_state.drafts]
+        if reused:
+            prefixes = [req_to_token[req_pool_indices[i], : prefix_lens[i]].long() for i in reused]
+            complete = torch.stack([self.written[slots].all() for slots in prefixes])
+            for i, ok in zip(reused, complete.tolist()):
+                reqs[i].spec_state.drafts = ok
 
     def materialize(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         """Draft context K/V of every draft layer for these tokens, from the target's captured features, now
@@ -119,10 +132,16 @@ class DFlashStep:
         self.pending, self.pending_tokens = [], 0
         self._write(features, positions, slots)
 
+    def unwritten(self, slots: torch.Tensor) -> None:
+        """Marks slots committed without draft K/V (after the waiting writes, which would mark them written)."""
+        self.flush()
+        self.written[slots] = False
+
     def _write(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
         self.draft.materialize_context_kv(
             features, positions, out_cache_loc, self.draft_pool.k_buffer, self.draft_pool.v_buffer
         )
+        self.written[out_cache_loc] = True
 
     # ---- decode ----
     def decode(
@@ -142,16 +161,18 @@ class DFlashStep:
     def commit(self, block: DraftBlock, states: list[ReqSpecState], features: torch.Tensor,
                accept_lens: torch.Tensor) -> None:
         """Defers the draft context K/V of the committed tokens of the requests that draft; none where the policy
-        does not materialise (the requests stop drafting)."""
+        does not materialise (the requests stop drafting). The others' slots are marked unwritten."""
         if not self.policy.materialise:
             for st in states:
                 st.drafts = False
-            return
         drafting = [i for i, st in enumerate(states) if st.drafts]
-        if not drafting:
-            return
         committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
         positions, slots = block.verified(block.positions), block.verified(committed_loc)
+        if not drafting:
+            self.unwritten(slots)
+            return
+        if len(drafting) < len(states):
+            self.unwritten(slots[block.token_rows([i for i, st in enumerate(states) if not st.drafts])])
         if len(drafting) < len(states):
             rows = block.token_rows(drafting)
             features, positions, slots = features.index_select(0, rows), positions[rows], slots[rows]

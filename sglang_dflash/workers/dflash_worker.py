@@ -86,7 +86,8 @@ class DFlashWorker:
     def forward_extend(self, batch: ScheduleBatch) -> GenerationBatchResult:
         fb = self.target.build_extend_batch(batch, capture_layer_ids=self.capture_layer_ids)
         out = self.target.forward(fb)
-        self.step.prefill(batch.reqs, out.hidden_states, fb.positions, fb.out_cache_loc)
+        self.step.prefill(batch.reqs, out.hidden_states, fb.positions, fb.out_cache_loc, self.req_to_token,
+                          batch.req_pool_indices, batch.prefix_lens)
         return self.target.finish_extend(batch, fb, out.next_token_logits)
 
     # ---- decode ----

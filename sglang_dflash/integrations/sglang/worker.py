@@ -171,7 +171,8 @@ class DFlashSGLangWorker(BaseSpecWorker):
         )
         logits_output = out.logits_output
         positions = extend_positions(batch.prefix_lens, batch.extend_lens, self.device)
-        self.prefill_draft(batch.reqs, logits_output.hidden_states, positions, batch.out_cache_loc)
+        self.prefill_draft(batch.reqs, logits_output.hidden_states, positions, batch.out_cache_loc,
+                           batch.req_pool_indices, batch.prefix_lens)
         logits_output.hidden_states = None
         if any(has_penalties(r.sampling_params) for r in batch.reqs):
             if self.penalties is None:
@@ -270,11 +271,12 @@ class DFlashSGLangWorker(BaseSpecWorker):
             rows.add_(info.logit_bias[:, None])
 
     def prefill_draft(self, reqs: list, features: torch.Tensor, positions: torch.Tensor,
-                      out_cache_loc: torch.Tensor) -> None:
+                      out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int]) -> None:
         """The requests' proposer states and the draft context K/V of these prompt tokens (`DFlashStep.prefill`)
         from the target's captured features."""
         if features is None or features.shape[0] != positions.shape[0]:
             got = None if features is None else tuple(features.shape)
             raise RuntimeError(f"sglang_dflash: expected captured target features for {positions.shape[0]} tokens, "
                                f"got {got}")
-        self.step.prefill(reqs, features, positions, out_cache_loc.to(torch.int64))
+        self.step.prefill(reqs, features, positions, out_cache_loc.to(torch.int64), self.req_to_token_pool.req_to_token,
+                          req_pool_indices, list(prefix_lens))
