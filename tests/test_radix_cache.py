@@ -21,6 +21,7 @@ from sglang_dflash import Engine
 from sglang_dflash.mem_cache.memory_pool import TokenToKVPoolAllocator
 from sglang_dflash.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
+from sglang_dflash.speculative.policy import SpecPolicy
 
 # ---- the tree against a brute-force model ----
 
@@ -281,20 +282,20 @@ def prefilled(engine: Engine, ids: list[int]):
 
 
 def test_a_cached_prefix_without_draft_context_is_not_drafted_from(monkeypatch, rel_err):
-    """Adaptive DFLASH where no DFlash block could pay at the batch's size (a loaded CPU): the draft context K/V of
-    the committed tokens is not written, yet the radix cache keeps them. Once DFlash may pay again, a second turn
-    that reuses such a prefix must not draft from it; where the first turns ran with DFlash paying, the cached
-    prefix holds the draft context a fresh prefill writes, and the second turn drafts."""
+    """Adaptive DFLASH while the policy does not materialise (no DFlash block could pay at the batch's size: a
+    loaded CPU): the draft context K/V of the committed tokens is not written, yet the radix cache keeps them. Once
+    DFlash may pay again, a second turn that reuses such a prefix must not draft from it; where the first turns ran
+    materialising, the cached prefix holds the draft context a fresh prefill writes, and the second turn drafts."""
     with Engine(dtype="float32", max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH") as engine:
         step = engine.scheduler.worker.step
         firsts = [[{"role": "user", "content": q}] for q in QUESTIONS]
         for loaded in (True, False):
             assert engine.flush_cache()
-            with monkeypatch.context() as patch:
-                if loaded:
-                    patch.setattr(step.policy, "_dflash_could_pay", lambda bs, width: False)
+            step.policy = SpecPolicy(step.policy.options, step.policy.cost)
+            step.policy.materialise = not loaded
+            with monkeypatch.context() as patch:  # the decision held for the whole turn
+                patch.setattr(step.policy, "_decide_materialise", lambda bs, limit: None)
                 outs = engine.chat(firsts, {"temperature": 0, "max_new_tokens": FIRST})
-            assert step.policy.materialise is not loaded
             step.policy.materialise = True  # the load is gone
             seconds = [engine.tokenizer_manager.chat_ids(m + [{"role": "assistant", "content": o["text"]},
                                                               {"role": "user", "content": FOLLOW_UP}])
