@@ -173,7 +173,6 @@ class DFlashStep:
             return
         if len(drafting) < len(states):
             self.unwritten(slots[block.token_rows([i for i, st in enumerate(states) if not st.drafts])])
-        if len(drafting) < len(states):
             rows = block.token_rows(drafting)
             features, positions, slots = features.index_select(0, rows), positions[rows], slots[rows]
         self.defer(features, positions, slots)
