@@ -3,7 +3,11 @@
 Each request keeps a running estimate of the conditional acceptance at every block position for each
 source (DFlash; context lookup per suffix-match length n, since a 4-gram match continues far more often than
 a 2-gram one), starting from a prior shared by all requests (learnt from all of them), and learnt from every lookup
-proposal, verified or not (one not verified is scored against the tokens committed after it); a
+proposal, verified or not (one not verified is scored against the tokens committed after it). A lookup's estimate
+follows the request's recent outcomes alone (copying comes in bursts); DFlash's stays near the shared prior until
+about ten of its own outcomes say otherwise, and the DFlash prior counts its last few hundred verified outcomes
+(`REQUEST_ESTIMATORS`, `PRIOR_ESTIMATORS`): its outcomes are noisy per step, so a few misses could push a quickly
+moving estimate under the drafter's rate, the request stopped drafting and nothing corrected it; a
 request that has not tried DFlash for EXPLORE_EVERY steps tries a short block, so the estimates follow the
 text, and every request that has not for EXPLORE_JOIN steps joins it: a batch pays for one exploring draft
 forward every ~EXPLORE_JOIN steps, not one per request (up to EXPLORE_SLOWEST times rarer while the prior says
@@ -32,8 +36,6 @@ from sglang_dflash.speculative.cost_model import CostModel
 from sglang_dflash.speculative.lookup import NgramIndex
 
 DFLASH, LOOKUP, NONE = "dflash", "lookup", "none"
-REQ_RATE = 0.3  # weight of a new observation in a request's estimate
-PRIOR_RATE = 0.05  # ... in the shared prior new requests start from
 EXPLORE_EVERY = 64  # a request that has not tried DFlash for this many steps tries a short block ...
 EXPLORE_JOIN = 32  # ... and so does every request that has not for this many (or whenever a draft forward runs)
 EXPLORE_BLOCK = 4
@@ -41,7 +43,7 @@ EXPLORE_PRIOR = 0.3  # below this first-position acceptance of DFlash in the sha
 EXPLORE_SLOWEST = 8  # ... to at most this many times less often (a useless drafter is then nearly never retried)
 EXPLORE_BUDGET = 0.01  # exploring steps may add at most this share of the predicted decode time (a batch of 32
 # exploring rows costs ~70% of a step on a 2-core CPU: every 32 steps that would be 2%)
-REALISED_DECAY = 0.99  # per verified proposal, in the shared ratio of accepted to expected drafts per source
+REALISED_DECAY = 0.99  # per verified lookup proposal, in the shared ratio of accepted to expected drafts per key
 REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted) ...
 REALISED_RELAX = 0.98  # ... and is pulled back to, this much per verified step (every source; while a source is
 # verified its outcomes outweigh the pull): one that failed where it was tried gets tried again (at 32 requests all
@@ -53,6 +55,36 @@ PLAIN_SKIP = 8  # at most this many unplanned plain steps after plans of plain r
 MATERIALISE_FLOOR = 0.5  # the acceptance at every block position DFlash is credited with at least in that decision
 MATERIALISE_OFF_AFTER = 8  # plans in a row in which no DFlash block could pay before materialisation stops
 PAYS_EVERY = 16  # plans between evaluations of whether a DFlash block could pay at a batch size (they cost ~0.2 ms)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """Acceptance at a block position from decayed counts of outcomes: (strength * live prior + hits) / (strength +
+    trials), the counts starting at `start` outcomes at the prior and each earlier outcome weighing `decay` times the
+    next one."""
+
+    decay: float
+    start: float
+    strength: float = 0.0
+
+    def counts(self, prior: list[float]) -> tuple[list[float], list[float]]:
+        """(hits, trials) per position to start from."""
+        return [self.start * p for p in prior], [self.start] * len(prior)
+
+    def learn(self, hits: list[float], trials: list[float], k: int, hit: float, prior: float = 0.0) -> float:
+        """Counts one outcome at position k; the new estimate there."""
+        hits[k], trials[k] = self.decay * hits[k] + hit, self.decay * trials[k] + 1
+        return (self.strength * prior + hits[k]) / (self.strength + trials[k])
+
+
+# A request's lookup estimates follow its recent outcomes alone (a moving average, 0.3 for the newest: copying comes in
+# bursts); its DFlash estimates stay near the shared prior (its ~20 latest outcomes weigh as 64 at the prior: per
+# step they are noisy, and per request they told little in a replay of 80 prompts). The shared priors: lookup a moving
+# average (0.05 for the newest: every proposal is scored, verified or not); DFlash from counts over its last ~300
+# verified outcomes, starting as 16 outcomes at the initial prior, so a useless drafter is given up within a few
+# dozen outcomes but a few misses in a row do not stop the drafting that would correct them.
+REQUEST_ESTIMATORS = {LOOKUP: Estimator(0.7, 1 / 0.3), DFLASH: Estimator(0.95, 0.0, 64.0)}
+PRIOR_ESTIMATORS = {LOOKUP: Estimator(0.95, 20.0), DFLASH: Estimator(0.997, 16.0)}
 LOOKUP_PRIOR = {2: 0.55, 3: 0.65}  # initial acceptance of a lookup proposal by match length (0.8 beyond):
 # measured on held-out greedy responses (data/responses), n = 2: 0.56 0.69 0.78, n = 4: 0.95 0.95 0.98
 
@@ -72,7 +104,9 @@ class ReqSpecState:
     and position."""
 
     index: NgramIndex
-    accept: dict[str, list[float]]
+    accept: dict[str, list[float]]  # per estimate key and position (`REQUEST_ESTIMATORS`)
+    hits: dict[str, list[float]]  # the decayed counts behind them
+    trials: dict[str, list[float]]
     since_dflash: int = EXPLORE_JOIN  # steps since DFlash was last verified for this request
     shadow: tuple[int, list[int], int] | None = None  # a lookup proposal not verified: (its position, tokens, n)
     drafts: bool = True  # its draft context K/V is complete: DFlash may draft for it
@@ -112,10 +146,12 @@ class SpecPolicy:
         self.prior = {DFLASH: [0.5] * width}
         for n in range(options.lookup_min_n, options.lookup_max_n + 1):
             self.prior[lookup_key(n)] = [LOOKUP_PRIOR.get(n, 0.8)] * width
-        # per source, (expected, accepted) drafts of the proposals verified, decaying: the policy takes the
+        # per lookup key, (expected, accepted) drafts of the proposals verified, decaying: the policy takes the
         # proposals whose estimates are high, so what they realise falls short of what was expected (measured
-        # at 32 requests: 2-gram lookups 0.62 expected, 0.47 accepted); the gains are scaled by the ratio
-        self.realised = {key: [REALISED_PRIOR, REALISED_PRIOR] for key in self.prior}
+        # at 32 requests: 2-gram lookups 0.62 expected, 0.47 accepted); the gains are scaled by the ratio. Not
+        # DFlash: its request estimates are held near the prior, and scaling them too kept it from paying blocks
+        self.prior_counts = {key: estimator(PRIOR_ESTIMATORS, key).counts(p) for key, p in self.prior.items()}
+        self.realised = {key: [REALISED_PRIOR, REALISED_PRIOR] for key in self.prior if key != DFLASH}
         self.explore_credit = 0.0  # predicted seconds exploring may still spend (EXPLORE_BUDGET of each step's)
         self.since_plain = 0  # steps since the last one of plain rows only
         self.plain_plans = 0  # plans in a row of plain rows only ...
@@ -127,8 +163,11 @@ class SpecPolicy:
         self.plans = 0  # plans made
 
     def new_state(self) -> ReqSpecState:
+        """A new request's state: its estimates start from the prior."""
         o = self.options
-        return ReqSpecState(NgramIndex(o.lookup_min_n, o.lookup_max_n), {s: list(p) for s, p in self.prior.items()})
+        counts = {key: estimator(REQUEST_ESTIMATORS, key).counts(p) for key, p in self.prior.items()}
+        return ReqSpecState(NgramIndex(o.lookup_min_n, o.lookup_max_n), {s: list(p) for s, p in self.prior.items()},
+                            {key: c[0] for key, c in counts.items()}, {key: c[1] for key, c in counts.items()})
 
     def plan(
         self, states: list[ReqSpecState], histories: list[tuple[list[int], list[int]]] | None, limits: list[int]
@@ -192,10 +231,9 @@ class SpecPolicy:
 
     def _dflash_could_pay(self, bs: int, width: int) -> bool:
         """Whether DFlash blocks of some width (the same for every request, up to `width`) would beat plain rows for
-        bs requests, crediting each block position with the shared prior's acceptance (scaled by what DFlash
-        realised) or MATERIALISE_FLOOR, whichever is higher."""
-        real = self.realised[DFLASH]
-        est = np.maximum(np.array(self.prior[DFLASH][: width - 1]) * real[1] / real[0], MATERIALISE_FLOOR)
+        bs requests, crediting each block position with the shared prior's acceptance or MATERIALISE_FLOOR, whichever
+        is higher."""
+        est = np.maximum(np.array(self.prior[DFLASH][: width - 1]), MATERIALISE_FLOOR)
         widths = np.arange(2, width + 1)
         rates = bs * (1 + np.cumsum(np.cumprod(est))) / self.cost.step_times(bs * widths, bs * widths, bs)
         return bool(rates.max() > bs / self.cost.step_time(bs, 0, bs))
@@ -221,11 +259,12 @@ class SpecPolicy:
     def gain_matrix(self, states: list[ReqSpecState], keys: list[str | None], lens: list[int]) -> np.ndarray:
         """[requests, block_size - 1]: expected extra committed tokens of each request's first lens[i] drafts from
         the source whose estimates are keys[i] (None: no proposal), 0 beyond: cumulative products of the request's
-        estimates, scaled by what that source's proposals realised against their expectation."""
+        estimates, a lookup's scaled by what its proposals realised against their expectation."""
         width = self.options.block_size - 1
         none = [0.0] * width
         est = np.array([st.accept[k] if k else none for st, k in zip(states, keys)], np.float64).reshape(-1, width)
-        ratio = np.array([self.realised[k][1] / self.realised[k][0] if k else 0.0 for k in keys])
+        ratio = np.array([(self.realised[k][1] / self.realised[k][0] if k in self.realised else 1.0) if k else 0.0
+                          for k in keys])
         gains = np.cumprod(est, axis=1) * ratio[:, None]
         gains[np.arange(width) >= np.asarray(lens)[:, None]] = 0.0
         return gains
@@ -300,18 +339,25 @@ class SpecPolicy:
             st.since_dflash = 0 if plan.source == DFLASH else st.since_dflash + 1
             if plan.source == NONE:
                 continue
-            realised = self.realised[plan.key]
-            realised[0] = REALISED_DECAY * realised[0] + sum(_prefix_gains(st.accept[plan.key], plan.block_len - 1))
-            realised[1] = REALISED_DECAY * realised[1] + a
+            if (realised := self.realised.get(plan.key)) is not None:
+                expected = sum(_prefix_gains(st.accept[plan.key], plan.block_len - 1))
+                realised[0] = REALISED_DECAY * realised[0] + expected
+                realised[1] = REALISED_DECAY * realised[1] + a
             self._learn(st, plan.key, plan.block_len - 1, a)
 
     def _learn(self, st: ReqSpecState, key: str, drafts: int, accepted: int) -> None:
         """The request's and the shared estimates of `key` after `accepted` of `drafts` proposed tokens."""
         est, prior = st.accept[key], self.prior[key]
+        own, shared = estimator(REQUEST_ESTIMATORS, key), estimator(PRIOR_ESTIMATORS, key)
         for k in range(min(accepted + 1, drafts, len(est))):  # position k was verified
             hit = 1.0 if k < accepted else 0.0
-            est[k] += REQ_RATE * (hit - est[k])
-            prior[k] += PRIOR_RATE * (hit - prior[k])
+            prior[k] = shared.learn(*self.prior_counts[key], k, hit)
+            est[k] = own.learn(st.hits[key], st.trials[key], k, hit, prior[k])
+
+
+def estimator(estimators: dict[str, Estimator], key: str) -> Estimator:
+    """The estimator of `key` (a lookup key: LOOKUP's)."""
+    return estimators[LOOKUP if key.startswith(LOOKUP) else key]
 
 
 def _prefix_gains(accept: list[float], n: int) -> list[float]:
