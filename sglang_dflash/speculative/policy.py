@@ -4,8 +4,8 @@ Each request keeps a running estimate of the conditional acceptance at every blo
 source (DFlash; context lookup per suffix-match length n, since a 4-gram match continues far more often than
 a 2-gram one), starting from a prior shared by all requests (learnt from all of them), and learnt from every lookup
 proposal, verified or not (one not verified is scored against the tokens committed after it). A lookup's estimate
-follows the request's recent outcomes alone (copying comes in bursts); DFlash's stays near the shared prior until
-about ten of its own outcomes say otherwise, and the DFlash prior counts its last few hundred verified outcomes
+follows the request's recent outcomes alone (copying comes in bursts); DFlash's stays near the shared prior (its
+~20 latest outcomes weigh as 64 at the prior), and the DFlash prior counts its last few hundred verified outcomes
 (`REQUEST_ESTIMATORS`, `PRIOR_ESTIMATORS`): its outcomes are noisy per step, so a few misses could push a quickly
 moving estimate under the drafter's rate, the request stopped drafting and nothing corrected it; a
 request that has not tried DFlash for EXPLORE_EVERY steps tries a short block, so the estimates follow the
