@@ -45,7 +45,7 @@ EXPLORE_BUDGET = 0.01  # exploring steps may add at most this share of the predi
 # exploring rows costs ~70% of a step on a 2-core CPU: every 32 steps that would be 2%)
 REALISED_DECAY = 0.99  # per verified lookup proposal, in the shared ratio of accepted to expected drafts per key
 REALISED_PRIOR = 2.0  # drafts the ratio starts from (as if 2 expected drafts had been accepted) ...
-REALISED_RELAX = 0.98  # ... and is pulled back to, this much per verified step (every source; while a source is
+REALISED_RELAX = 0.98  # ... and is pulled back to, this much per verified step (every lookup key; while a key is
 # verified its outcomes outweigh the pull): one that failed where it was tried gets tried again (at 32 requests all
 # starting at once, 4-gram lookups of the chat template's code fence failed together and, without the pull, the ratio
 # kept every later 4-gram lookup out)
