@@ -21,6 +21,8 @@ from sglang_dflash import Engine
 from sglang_dflash.mem_cache.memory_pool import TokenToKVPoolAllocator
 from sglang_dflash.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang_dflash.runtime.forward_batch import ForwardBatch, ForwardMode
+from sglang_dflash.speculative.cost_model import CostModel
+from sglang_dflash.speculative.dflash_step import MAX_PARKED_BYTES
 from sglang_dflash.speculative.policy import SpecPolicy
 
 # ---- the tree against a brute-force model ----
@@ -283,9 +285,10 @@ def prefilled(engine: Engine, ids: list[int]):
 
 def test_a_cached_prefix_without_draft_context_is_not_drafted_from(monkeypatch, rel_err):
     """Adaptive DFLASH while the policy does not materialise (no DFlash block could pay at the batch's size: a
-    loaded CPU): the draft context K/V of the committed tokens is not written, yet the radix cache keeps them. Once
-    DFlash may pay again, a second turn that reuses such a prefix must not draft from it; where the first turns ran
-    materialising, the cached prefix holds the draft context a fresh prefill writes, and the second turn drafts."""
+    loaded CPU) and the parked features are dropped (no room for them): the draft context K/V of the committed
+    tokens is not written, yet the radix cache keeps them. Once DFlash may pay again, a second turn that reuses such
+    a prefix must not draft from it; where the first turns ran materialising, the cached prefix holds the draft
+    context a fresh prefill writes, and the second turn drafts."""
     with Engine(dtype="float32", max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH") as engine:
         step = engine.scheduler.worker.step
         firsts = [[{"role": "user", "content": q}] for q in QUESTIONS]
@@ -293,6 +296,7 @@ def test_a_cached_prefix_without_draft_context_is_not_drafted_from(monkeypatch, 
             assert engine.flush_cache()
             step.policy = SpecPolicy(step.policy.options, step.policy.cost)
             step.policy.materialise = not loaded
+            step.max_parked_bytes = 0 if loaded else MAX_PARKED_BYTES
             with monkeypatch.context() as patch:  # the decision held for the whole turn
                 patch.setattr(step.policy, "_decide_materialise", lambda bs, limit: None)
                 outs = engine.chat(firsts, {"temperature": 0, "max_new_tokens": FIRST})
@@ -308,6 +312,42 @@ def test_a_cached_prefix_without_draft_context_is_not_drafted_from(monkeypatch, 
                 assert req.spec_state.drafts is not loaded
             assert_no_leak(engine)
 
+
+
+def test_running_requests_draft_again_once_the_load_is_gone(reference, monkeypatch, rel_err):
+    """Adaptive DFLASH whose policy stops materialising while the first turns run (a load), then materialises
+    again while they still run (the load is gone): their features were parked, the next decode step writes their
+    draft context K/V and they draft again (the shipped drafter, which reads it); the output is AR's, and the draft
+    context K/V the cache holds afterwards equals a fresh prefill's."""
+    with Engine(dtype="float32", max_total_tokens=SMALL_POOL, speculative_algorithm="DFLASH") as engine:
+        step = engine.scheduler.worker.step
+        cost = CostModel({1: 0.010, 64: 0.012, 512: 0.030}, {16: 0.002, 512: 0.010})  # a step costs ~the same
+        monkeypatch.setattr(cost, "observe", lambda *args: None)  # whatever it verifies: DFlash blocks pay
+        step.policy = SpecPolicy(step.policy.options, cost)
+        monkeypatch.setattr(step.policy, "_decide_materialise", lambda bs, limit: None)
+        drafts = []
+        draft_block = step.draft_block
+        monkeypatch.setattr(step, "draft_block", lambda *a, **kw: drafts.append(1) or draft_block(*a, **kw))
+        step.policy.materialise = False
+        tm = engine.tokenizer_manager
+        reqs = [tm.make_req(None, tm.chat_ids([{"role": "user", "content": q}]), {"temperature": 0,
+                                                                                  "max_new_tokens": FIRST})
+                for q in QUESTIONS]
+        for req in reqs:
+            engine.scheduler.add_request(req)
+        for _ in range(6):  # the prefill and 5 decode steps, parked
+            engine.scheduler.run_step()
+        assert step.parked and not drafts and not any(r.spec_state.drafts for r in reqs)
+        assert all(0 < len(r.output_ids) < FIRST for r in reqs)
+        step.policy.materialise = True
+        engine.scheduler.run_step()
+        assert not step.parked and all(r.spec_state.drafts for r in reqs)
+        while engine.scheduler.has_work():
+            engine.scheduler.run_step()
+        assert drafts
+        assert [r.output_ids for r in reqs] == reference[0]
+        assert_cached_kv_is_prefill_kv(engine, [r.origin_input_ids + r.output_ids[:-1] for r in reqs], rel_err)
+        assert_no_leak(engine)
 
 def test_requests_admitted_after_evictions(reference, monkeypatch):
     """A pool that holds about one phase: the other requests evict the conversations (least recently used

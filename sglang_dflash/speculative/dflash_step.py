@@ -8,10 +8,12 @@ every block in one forward; the committed rows' draft context K/V is materialise
 captured features, so DFlash can resume at any step whatever the source was. That materialisation waits for
 the next draft forward (or prefill, or MAX_PENDING_TOKENS): steps without a draft forward (lookup or plain rows,
 most steps under load) do not pay for it, and the waiting steps' tokens go through one GEMM. Where the policy finds
-that no DFlash block could pay at the batch's size (`SpecPolicy.materialise`), nothing is materialised and the
-requests then running or prefilled stop drafting (`ReqSpecState.drafts`). The step marks which slots hold draft
-K/V (`written`): the radix cache keeps every committed token, so a request whose cached prefix has slots without
-draft K/V does not draft either.
+that no DFlash block could pay at the batch's size (`SpecPolicy.materialise`), the committed tokens' features are
+parked instead (up to MAX_PARKED_BYTES, the oldest dropped) and the requests stop drafting (`ReqSpecState.drafts`);
+once a block could pay again (the batch has shrunk), the first decode step writes the parked draft context K/V of the
+slots its requests hold, drops the rest, and lets every request whose context is then complete draft again
+(`resume`). The step marks which slots hold draft K/V (`written`): the radix cache keeps every committed token, so a
+request whose cached prefix has slots without draft K/V does not draft.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sglang_dflash.speculative.draft_block import DraftBlock
 from sglang_dflash.speculative.policy import DFLASH, LOOKUP, Plan, ReqSpecState, SpecPolicy
 
 MAX_PENDING_TOKENS = 2048  # committed tokens whose draft context K/V may wait (their features: ~6 KB each)
+MAX_PARKED_BYTES = 256 << 20  # features kept while nothing is materialised (SmolLM2-135M: ~46k tokens)
 
 
 class VerifyHost(Protocol):
@@ -66,6 +69,8 @@ class DFlashStep:
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (features, positions, slots)
         self.pending_tokens = 0
         self.max_pending_tokens = MAX_PENDING_TOKENS
+        self.max_parked_bytes = MAX_PARKED_BYTES
+        self.parked = False  # tokens were parked since the last `resume`
         self.written = torch.zeros(draft_pool.k_buffer.shape[1], dtype=torch.bool, device=draft_pool.k_buffer.device)
 
     def plan(self, reqs: list, host_current: bool, limits: list[int]) -> tuple[list[ReqSpecState], list[Plan]]:
@@ -88,15 +93,15 @@ class DFlashStep:
                 req_to_token: torch.Tensor, req_pool_indices: list[int] | torch.Tensor, prefix_lens: list[int]) -> None:
         """A prefill (chunk) of the host's requests (prefix_lens: the tokens before the chunk, cached or earlier
         chunks): their proposer states, and the draft context K/V of its tokens where the policy materialises (else
-        the requests stop drafting). A request whose prefix has a slot without draft K/V stops drafting too (one host
-        read, where some prefix is reused)."""
+        they are parked and the requests stop drafting until `resume`). A request whose prefix has a slot without
+        draft K/V stops drafting too (one host read, where some prefix is reused)."""
         for r in reqs:
             if getattr(r, "spec_state", None) is None:
                 r.spec_state = self.policy.new_state()
         if self.policy.materialise:
             self.materialize(features, positions, out_cache_loc)
         else:
-            self.unwritten(out_cache_loc)
+            self.park(features, positions, out_cache_loc)
             for r in reqs:
                 r.spec_state.drafts = False
         reused = [i for i, (r, n) in enumerate(zip(reqs, prefix_lens)) if n and r.spec_state.drafts]
@@ -132,6 +137,42 @@ class DFlashStep:
         self.pending, self.pending_tokens = [], 0
         self._write(features, positions, slots)
 
+    def park(self, features: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        """`defer` while nothing is materialised: kept until `resume` (or a flush), the oldest dropped (their slots
+        marked unwritten) past max_parked_bytes."""
+        self.parked = True
+        self.pending.append((features, positions, out_cache_loc))
+        self.pending_tokens += positions.shape[0]
+        row_bytes = features.shape[1] * features.element_size()
+        while self.pending_tokens * row_bytes > self.max_parked_bytes:
+            _, oldest, slots = self.pending.pop(0)
+            self.pending_tokens -= oldest.shape[0]
+            self.written[slots] = False
+
+    def resume(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               states: list[ReqSpecState], kv_bound: int) -> None:
+        """Once the policy materialises again after tokens were parked: writes the waiting draft context K/V of the
+        slots the batch's requests hold, drops the rest (marked unwritten: finished requests' tokens, which the radix
+        cache may keep), and lets every request whose context is then complete draft (one host read)."""
+        self.parked = False
+        context = req_to_token[req_pool_indices, :kv_bound].long()
+        held = torch.arange(kv_bound, device=context.device) < seq_lens[:, None]
+        context = torch.where(held, context, 0)  # slot 0 pads
+        if self.pending:
+            features, positions, slots = (torch.cat(x) for x in zip(*self.pending))
+            slots = last_writes(slots, self.written.shape[0])
+            live = torch.zeros_like(self.written)
+            live[context] = True
+            live[0] = False
+            keep = live[slots]
+            self.written[slots] = False
+            rows = keep.nonzero().squeeze(1)
+            self.pending, self.pending_tokens = [], 0
+            self._write(features[rows], positions[rows], slots[rows])
+        complete = (self.written[context] | ~held).all(dim=1)
+        for st, ok in zip(states, complete.tolist()):
+            st.drafts = ok
+
     def unwritten(self, slots: torch.Tensor) -> None:
         """Marks slots committed without draft K/V (after the waiting writes, which would mark them written)."""
         self.flush()
@@ -148,6 +189,8 @@ class DFlashStep:
         self, host: VerifyHost, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
         bonus: torch.Tensor, states: list[ReqSpecState], plans: list[Plan], kv_bound: int,
     ) -> StepOutput:
+        if self.parked and self.policy.materialise:
+            self.resume(req_to_token, req_pool_indices, seq_lens, states, kv_bound)
         block_lens = [p.block_len for p in plans]
         block = DraftBlock.build(req_to_token, req_pool_indices, seq_lens, bonus, block_lens)
         draft = self.propose(block, plans, req_to_token, kv_bound, host)
@@ -160,14 +203,16 @@ class DFlashStep:
 
     def commit(self, block: DraftBlock, states: list[ReqSpecState], features: torch.Tensor,
                accept_lens: torch.Tensor) -> None:
-        """Defers the draft context K/V of the committed tokens of the requests that draft; none where the policy
-        does not materialise (the requests stop drafting). The others' slots are marked unwritten."""
+        """Defers the draft context K/V of the committed tokens of the requests that draft (the others' slots are
+        marked unwritten); parks every request's where the policy does not materialise (they stop drafting)."""
+        committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
+        positions, slots = block.verified(block.positions), block.verified(committed_loc)
         if not self.policy.materialise:
             for st in states:
                 st.drafts = False
+            self.park(features, positions, slots)
+            return
         drafting = [i for i, st in enumerate(states) if st.drafts]
-        committed_loc = torch.where(block.committed(accept_lens), block.out_cache_loc, 0)  # the rest to slot 0
-        positions, slots = block.verified(block.positions), block.verified(committed_loc)
         if not drafting:
             self.unwritten(slots)
             return

@@ -23,7 +23,8 @@ nearly what a decode row does), the next steps run plain rows unplanned, 1 after
 PLAIN_SKIP after PLAIN_SKIP in a row: the decision costs what a plain step costs too (~1.5% at 32 requests).
 Where no DFlash block could pay at the batch's size even with the acceptance credited at least MATERIALISE_FLOOR (a
 loaded CPU), the draft's context K/V stops being materialised (`materialise`): the requests then running or
-prefilled lose DFlash (`ReqSpecState.drafts`; lookup and plain rows remain), those prefilled once it pays again have it.
+prefilled stop drafting (`ReqSpecState.drafts`; lookup and plain rows remain) until it pays again, when the step
+writes the context it parked meanwhile (`DFlashStep.resume`).
 """
 
 from __future__ import annotations
