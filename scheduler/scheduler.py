@@ -38,6 +38,7 @@ class Scheduler:
         chunked_prefill_size: int,
         enable_overlap: bool = False,
         disable_radix_cache: bool = False,
+        enable_mixed_chunk: bool = False,
     ):
         self.worker = worker
         self.req_to_token_pool = req_to_token_pool
@@ -54,6 +55,7 @@ class Scheduler:
         self.num_retractions = 0
         self.finished_by_error: list[Req] = []
         self.enable_overlap = enable_overlap
+        self.enable_mixed_chunk = enable_mixed_chunk
         self.in_flight: tuple[ScheduleBatch, Future] | None = None
         self.launched = 0  # batches launched / completed, to know when freed memory is safe to reuse
         self.completed = 0
@@ -189,8 +191,21 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         batch = self.get_prefill_batch()
         if batch is not None:
-            return batch
+            return self.mix_with_running(batch) if self.enable_mixed_chunk and self.in_flight is None else batch
         return self.get_decode_batch()
+
+    def mix_with_running(self, batch: ScheduleBatch) -> ScheduleBatch:
+        """A prefill batch with every running request riding along as a 1-token extension (its last token; the
+        host has it when no batch is in flight): one forward instead of a prefill step that stalls the decodes
+        and then a decode step. The running requests decode plainly in that step (no speculation)."""
+        riders = list(self.running)
+        if not riders or not all(self.ensure_allocated(r, r.kv_committed_len + 1) for r in riders):
+            return batch
+        prefix_lens = [r.kv_committed_len for r in riders]
+        for r in riders:
+            r.kv_committed_len += 1  # as a prefill chunk: committed at schedule time
+        return ScheduleBatch(batch.reqs + riders, ForwardMode.EXTEND, batch.prefix_lens + prefix_lens,
+                             batch.extend_lens + [1] * len(riders))
 
     def decode_need(self, req: Req) -> int:
         return req.kv_committed_len + self.lookahead_blocks * self.worker.tokens_per_decode_step(req)

@@ -55,6 +55,8 @@ def make_parser() -> ArgumentParser:
         action="store_const", const=True)
     add("--enable-overlap-schedule", "run the overlapped scheduler loop (the default on GPUs)",
         action="store_const", const=True)
+    add("--enable-mixed-chunk", "a prefill step also decodes the running requests (one token each, no speculation), "
+        "instead of stalling them", action="store_const", const=True)
     add("--enable-deterministic-inference", "bf16 on CPUs with AVX512-BF16: our batch-invariant linear kernel at "
         "every batch size, so a request's tokens do not depend on what else is batched with it (bf16 DFLASH equals "
         "AR token for token; slower on CPUs with AMX); elsewhere it changes nothing",

@@ -33,6 +33,7 @@ class ServerArgs:
     speculative_lookup_min_match: int = 2
     speculative_lookup_max_match: int = 4
     disable_overlap_schedule: bool | None = None  # None: per device, the faster loop (plain on CPU)
+    enable_mixed_chunk: bool = False  # prefill chunks carry the running requests' decode rows (plain loop)
     enable_deterministic_inference: bool = False  # bf16 CPU linears batch-invariant (models/packed_linear.py)
     disable_radix_cache: bool = False  # no prefix cache: every request prefills its whole prompt
     enable_cache_report: bool = False  # server: usage.prompt_tokens_details.cached_tokens in OpenAI responses

@@ -59,7 +59,7 @@ def build_components(args: ServerArgs) -> tuple[TokenizerManager, Scheduler]:
     scheduler = Scheduler(
         worker, runner.req_to_token_pool, runner.token_to_kv_pool_allocator, args.max_running_requests,
         args.chunked_prefill_size, enable_overlap=not args.disable_overlap_schedule,
-        disable_radix_cache=args.disable_radix_cache,
+        disable_radix_cache=args.disable_radix_cache, enable_mixed_chunk=args.enable_mixed_chunk,
     )
     return tm, scheduler
 
