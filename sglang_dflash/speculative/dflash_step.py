@@ -71,6 +71,7 @@ class DFlashStep:
         self.max_pending_tokens = MAX_PENDING_TOKENS
         self.max_parked_bytes = MAX_PARKED_BYTES
         self.parked = False  # tokens were parked since the last `resume`
+        self.resumed: list[tuple[list[ReqSpecState], HostCopy]] = []  # whose context `resume` completed
         self.written = torch.zeros(draft_pool.k_buffer.shape[1], dtype=torch.bool, device=draft_pool.k_buffer.device)
 
     def plan(self, reqs: list, host_current: bool, limits: list[int]) -> tuple[list[ReqSpecState], list[Plan]]:
@@ -81,6 +82,10 @@ class DFlashStep:
         while self.unobserved and self.unobserved[0][2].ready():
             prev_states, prev_plans, accept_lens = self.unobserved.pop(0)
             self.policy.observe(prev_states, prev_plans, accept_lens.host.tolist())
+        while self.resumed and self.resumed[0][1].ready():
+            resumed_states, complete = self.resumed.pop(0)
+            for st, ok in zip(resumed_states, complete.host.tolist()):
+                st.drafts = ok
         for r in reqs:
             if getattr(r, "spec_state", None) is None:  # a new (or recomputed) request starts from the prior
                 r.spec_state = self.policy.new_state()
@@ -141,6 +146,7 @@ class DFlashStep:
         """`defer` while nothing is materialised: kept until `resume` (or a flush), the oldest dropped (their slots
         marked unwritten) past max_parked_bytes."""
         self.parked = True
+        self.resumed = []  # stale: the requests stop drafting again
         self.pending.append((features, positions, out_cache_loc))
         self.pending_tokens += positions.shape[0]
         row_bytes = features.shape[1] * features.element_size()
@@ -153,7 +159,8 @@ class DFlashStep:
                states: list[ReqSpecState], kv_bound: int) -> None:
         """Once the policy materialises again after tokens were parked: writes the waiting draft context K/V of the
         slots the batch's requests hold, drops the rest (marked unwritten: finished requests' tokens, which the radix
-        cache may keep), and lets every request whose context is then complete draft (one host read)."""
+        cache may keep); every request whose context is then complete drafts from the next `plan` on. No host sync:
+        the rows kept go first and at most as many rows as the batch holds slots are written (the others to slot 0)."""
         self.parked = False
         context = req_to_token[req_pool_indices, :kv_bound].long()
         held = torch.arange(kv_bound, device=context.device) < seq_lens[:, None]
@@ -166,12 +173,14 @@ class DFlashStep:
             live[0] = False
             keep = live[slots]
             self.written[slots] = False
-            rows = keep.nonzero().squeeze(1)
+            rows = torch.argsort(keep.logical_not().to(torch.uint8), stable=True)[: min(len(slots), context.numel())]
+            slots = torch.where(keep[rows], slots[rows], 0)
             self.pending, self.pending_tokens = [], 0
-            self._write(features[rows], positions[rows], slots[rows])
+            self._write(features[rows], positions[rows], slots)
         complete = (self.written[context] | ~held).all(dim=1)
-        for st, ok in zip(states, complete.tolist()):
-            st.drafts = ok
+        self.resumed.append((states, HostCopy(complete)))
+        for st in states:  # this step's committed tokens are written; the next `plan` stops the incomplete ones
+            st.drafts = True
 
     def unwritten(self, slots: torch.Tensor) -> None:
         """Marks slots committed without draft K/V (after the waiting writes, which would mark them written)."""
