@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+from conftest import assert_kv_clean
 from dflash_helpers import (
     CHAT_PROMPTS,
     SMALL_POOL,
@@ -238,6 +239,4 @@ def test_mixed_chunks_match_ar(prompts, reference, algorithm, monkeypatch):
                 outs, mixed = staggered(engine, prompts, every=3)
         assert outs == reference
         assert mixed >= len(prompts) - 1
-        sched = engine.scheduler
-        assert not sched.has_work() and sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
-        assert sched.allocator.available_size() == sched.allocator.size  # free, or cached and unreferenced
+        assert_kv_clean(engine)
