@@ -14,7 +14,7 @@ from sglang_dflash.kernels.backend import forced_backend
 
 logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-NAMES = ("argmax", "decode_attention", "linear_bf16", "rms_norm", "rope")
+NAMES = ("argmax", "decode_attention", "draft_kv", "linear_bf16", "rms_norm", "rope")
 
 
 def cpu_kernel(name: str):

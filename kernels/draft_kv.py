@@ -1,8 +1,13 @@
-"""Just-in-time draft context KV: per-layer K RMSNorm + neox RoPE, fused write into the draft KV pool."""
+"""Just-in-time draft context KV: per-layer K RMSNorm + neox RoPE, fused write into the draft KV pool: Triton on
+CUDA/XPU, the C++ kernel `csrc/draft_kv.cpp` on CPU where it builds (kv and pool of one dtype), torch otherwise.
+The same C++ kernel serves a draft block's own queries and K/V on CPU (`block_kv_kernel`)."""
+
+from collections.abc import Callable
 
 import torch
 
 from sglang_dflash.kernels.backend import use_triton
+from sglang_dflash.kernels.cpu_extensions import cpu_kernel
 
 
 def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
@@ -46,6 +51,19 @@ def materialize_draft_kv(
     assert k_buffer.shape == v_buffer.shape and k_buffer.shape[0] == layers and k_buffer.shape[2:] == (heads, head_dim)
     if use_triton(kv):
         from sglang_dflash.kernels.draft_kv_triton import materialize_draft_kv_triton as impl
+    elif kv.device.type == "cpu" and kv.dtype == k_buffer.dtype == v_buffer.dtype \
+            and (kernel := cpu_kernel("draft_kv")) is not None:
+        impl = kernel.materialize_draft_kv
     else:
         impl = materialize_draft_kv_torch
     impl(kv, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps, k_buffer, v_buffer, out_cache_loc)
+
+
+def block_kv_kernel(x: torch.Tensor, k_cache: torch.Tensor) -> Callable | None:
+    """The C++ `norm_rope_set_kv(q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps,
+    k_cache, v_cache, loc) -> q` of a draft layer's block (queries and keys RMSNormed and rotated in float32, keys and
+    values written into rows loc of the layer's pool), on CPU where it builds and x and the pool share a dtype; else
+    None (`DraftAttention.project_qkv` and index_copy_)."""
+    if x.device.type == "cpu" and x.dtype == k_cache.dtype and (kernel := cpu_kernel("draft_kv")) is not None:
+        return kernel.norm_rope_set_kv
+    return None

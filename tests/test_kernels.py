@@ -171,6 +171,71 @@ def test_materialize_triton_strided(strided_args: tuple[str, ...]) -> None:
     check_materialize_triton(kv_case(7, 3, 3, 48, 32, torch.float32, seed=4), torch.float32, strided_args)
 
 
+def cpu_draft_kv() -> Callable:
+    """The C++ CPU kernel of materialize_draft_kv (`csrc/draft_kv.cpp`); a skip where it does not build or the tests
+    run on an accelerator."""
+    from sglang_dflash.kernels.cpu_extensions import cpu_extension
+
+    ext = cpu_extension("draft_kv") if DEVICE.type == "cpu" else None
+    if ext is None:
+        pytest.skip("the C++ draft_kv kernel did not build here")
+    return ext.materialize_draft_kv
+
+
+@pytest.mark.parametrize("shape", [s for s in KV_SHAPES if s[5] == s[6]], ids=str)
+def test_materialize_cpu_kernel_matches_torch(shape: tuple) -> None:
+    *dims, dtype, buffer_dtype = shape
+    case = kv_case(*dims, dtype=dtype, seed=sum(dims) + 1)
+    expected = run_materialize(materialize_draft_kv_torch, case, buffer_dtype)
+    actual = run_materialize(cpu_draft_kv(), case, buffer_dtype)
+    # float32 norm and RoPE in another order than torch's ops: float32 rounding, then one bf16 rounding
+    assert rel_err(actual[0], expected[0]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("strided_args", strided_params(KV_TENSORS), ids=str)
+def test_materialize_cpu_kernel_strided(strided_args: tuple[str, ...]) -> None:
+    case = kv_case(7, 3, 3, 48, 32, torch.bfloat16, seed=5)
+    expected = run_materialize(materialize_draft_kv_torch, case, torch.bfloat16)
+    actual = run_materialize(cpu_draft_kv(), case, torch.bfloat16, strided_args)
+    assert rel_err(actual[0], expected[0]) < 1e-2
+    assert torch.equal(actual[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (5, 1, 48)], ids=str)
+def test_block_norm_rope_set_kv_cpu_kernel_matches_torch(dtype: torch.dtype, heads: tuple) -> None:
+    """A draft layer's block (`block_kv_kernel`): queries, keys and values as strided slices of one wider projection
+    (odd head counts, rotary_dim < head_dim for one case), against the torch reference of materialize_draft_kv
+    applied to the keys (written) and to the queries (into a scratch pool)."""
+    nh, nkv, hd = heads
+    rot = hd if hd == 64 else 32
+    cpu_draft_kv()
+    from sglang_dflash.kernels.draft_kv import block_kv_kernel
+
+    g = gen(nh + hd)
+    t, slots = 11, 40
+    qkv = torch.randn(t, nh + 2 * nkv + 1, hd, generator=g).to(dtype)  # one extra head: every view is strided
+    q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv : nh + 2 * nkv]
+    q_w, k_w = ((torch.rand(hd, generator=g) + 0.5).to(dtype) for _ in range(2))
+    positions = torch.randint(0, 1000, (t,), generator=g)
+    cache = rope_cache(1000, rot)
+    loc = torch.randperm(slots, generator=g)[:t]
+    k_cache, v_cache = torch.zeros(slots, nkv, hd, dtype=dtype), torch.zeros(slots, nkv, hd, dtype=dtype)
+    kernel = block_kv_kernel(q, k_cache)
+    assert kernel is not None
+    got_q = kernel(q, k, v, q_w, k_w, positions, cache, rot, 1e-6, k_cache, v_cache, loc)
+    want_k, want_v = k_cache.clone().zero_()[None], v_cache.clone().zero_()[None]
+    materialize_draft_kv_torch(torch.stack([k, v], 1)[:, None], k_w[None], positions, cache, rot, 1e-6, want_k, want_v,
+                               loc)
+    want_q = torch.zeros(1, t, nh, hd, dtype=dtype)
+    materialize_draft_kv_torch(torch.stack([q, q], 1)[:, None], q_w[None], positions, cache, rot, 1e-6, want_q,
+                               want_q.clone(), torch.arange(t))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(k_cache, want_k[0]) < tol and rel_err(got_q, want_q[0]) < tol
+    assert torch.equal(v_cache, want_v[0])
+
+
 def naive_materialize(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, layer and head: RMSNorm, then RoPE pair by pair from the angle itself, in float64."""
     kv, weight, rot, eps = (

@@ -18,15 +18,18 @@ from torch import nn
 from sglang_dflash.kernels import materialize_draft_kv
 from sglang_dflash.kernels.argmax import argmax
 from sglang_dflash.kernels.decode_attention import decode_attention, reads_runs
+from sglang_dflash.kernels.draft_kv import block_kv_kernel
 from sglang_dflash.models.dflash_config import DFlashConfig
 from sglang_dflash.models.llama import MLP, RMSNorm
 from sglang_dflash.models.rotary import apply_rope, build_cos_sin_cache, rope_at, rope_table
 
-Attend = Callable[["DraftAttention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[["DraftAttention", torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 """attend(attn, q [T, nH, hd], k [T, nKV, hd], v [T, nKV, hd]) -> o [T, nH, hd]: the attention of the block
 tokens over the keys of their context and of their own block (inference: `PagedBlockAttention`; training:
 `sglang_dflash.training.block_attention.AnchorBlockAttention`). Both carry `block`, the width of the blocks
-the T tokens form."""
+the T tokens form, and `project(attn, x, rope) -> (q, k, v)`, the layer's normed and rotated projections of the
+block tokens x (`DraftAttention.project_qkv`; PagedBlockAttention writes k and v into the pool there and may
+return None for them)."""
 
 
 class DraftAttention(nn.Module):
@@ -49,10 +52,15 @@ class DraftAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(-1, self.nkv, self.hd)), *rope)
         return k, self.v_proj(x).view(-1, self.nkv, self.hd)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+    def project_qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q = RoPE(q_norm(q_proj(x))) [T, nH, hd], and `project_kv`."""
         q = apply_rope(self.q_norm(self.q_proj(x).view(-1, self.nh, self.hd)), *rope)
-        k, v = self.project_kv(x, rope)
-        return self.o_proj(attend(self, q, k, v).reshape(-1, self.nh * self.hd))
+        return (q, *self.project_kv(x, rope))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+        return self.o_proj(attend(self, *attend.project(self, x, rope)).reshape(-1, self.nh * self.hd))
 
 
 class DraftLayer(nn.Module):
@@ -71,16 +79,18 @@ class DraftLayer(nn.Module):
 
 class PagedBlockAttention:
     """Inference keys: each request's committed context, then its own block (non-causal), read from the
-    paged draft KV cache through `kv_indices`; the block's own K/V are written into its slots first (they
-    are rewritten by context K/V once committed). Where the C++ decode-attention kernel serves (CPU), a block's
-    tokens attend as rows of one run straight from the pool (each K/V row read once for the block); otherwise,
-    and for causal or sliding-window layers (DFlash 2), SDPA over the gathered keys."""
+    paged draft KV cache through `kv_indices`; the block's own K/V are written into its slots first, by `project`
+    (they are rewritten by context K/V once committed; on CPU one C++ call normalises, rotates and writes them).
+    Where the C++ decode-attention kernel serves (CPU), a block's tokens attend as rows of one run straight from the
+    pool (each K/V row read once for the block); otherwise, and for causal or sliding-window layers (DFlash 2), SDPA
+    over the gathered keys."""
 
     def __init__(
         self, positions: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
-        block: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+        block: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor, cos_sin_cache: torch.Tensor,
     ):
         self.bs, self.block = kv_indices.shape[0], block
+        self.positions, self.cos_sin_cache = positions, cos_sin_cache
         self.out_cache_loc, self.kv_indices = out_cache_loc, kv_indices
         self.k_buffer, self.v_buffer = k_buffer, v_buffer
         self.kv_pos = torch.arange(kv_indices.shape[1], device=kv_indices.device)
@@ -90,10 +100,28 @@ class PagedBlockAttention:
         # as the mask: no key past kv_indices (an overlapped host's bound can lag the device's lengths)
         self.row_lens = kv_lens.clamp(max=kv_indices.shape[1]).repeat_interleave(block)
 
-    def __call__(self, attn: DraftAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, attn: DraftAttention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The block tokens' queries; their keys and values go into the pool (None returned where the kernel wrote
+        them)."""
         k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
+        if (kernel := block_kv_kernel(x, k_buffer)) is not None:
+            q = kernel(attn.q_proj(x).view(-1, attn.nh, attn.hd), attn.k_proj(x).view(-1, attn.nkv, attn.hd),
+                       attn.v_proj(x).view(-1, attn.nkv, attn.hd), attn.q_norm.weight, attn.k_norm.weight,
+                       self.positions, self.cos_sin_cache, self.cos_sin_cache.shape[1], attn.q_norm.eps, k_buffer,
+                       v_buffer, self.out_cache_loc)
+            return q, None, None
+        q, k, v = attn.project_qkv(x, rope)
         k_buffer.index_copy_(0, self.out_cache_loc, k.to(k_buffer.dtype))
         v_buffer.index_copy_(0, self.out_cache_loc, v.to(v_buffer.dtype))
+        return q, k, v
+
+    def __call__(
+        self, attn: DraftAttention, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Reads the block's own K/V from the pool (`project` wrote them)."""
+        k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
         if not attn.causal and attn.sliding_window is None and reads_runs(q.device):
             o = decode_attention(q, k_buffer, v_buffer, self.kv_indices, self.rows, self.row_lens, attn.hd**-0.5,
                                  self.kv_indices.shape[1])
@@ -198,7 +226,8 @@ class DFlashDraftModel(nn.Module):
         request's context followed by its block; kv_lens [bs] = context + real block length.
         """
         h = self.embed(input_ids)
-        attend = PagedBlockAttention(positions, out_cache_loc, kv_indices, kv_lens, block, k_buffer, v_buffer)
+        attend = PagedBlockAttention(positions, out_cache_loc, kv_indices, kv_lens, block, k_buffer, v_buffer,
+                                     self.cos_sin_cache)
         return self.run_layers(h, positions, attend)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

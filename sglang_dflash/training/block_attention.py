@@ -96,6 +96,11 @@ class AnchorBlockAttention:
         elif attention == "flex":
             self.mask = flex_block_mask(anchors, seq_len, block)
 
+    def project(
+        self, attn: DraftAttention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return attn.project_qkv(x, rope)
+
     def __call__(self, attn: DraftAttention, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
         if attn.causal or attn.sliding_window is not None:
             raise ValueError(f"draft layer {attn.layer_id} is causal or sliding-window: training supports "
