@@ -86,24 +86,28 @@ class CostModel:
         self.prior_xx = np.diag(PRIOR_WEIGHT * typical**2)
         self.prior_xy = self.prior_xx @ PRIOR_COEF
         self.unfitted: list[tuple[int, int, int, float]] = []  # steps observed since the last fold
-        self.by_requests: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # least-squares sums per batch size
+        # least-squares sums per batch size (indexed by it; `seen`: sizes observed), grown to the largest seen
+        self.sums_xx, self.sums_xy, self.seen = np.zeros((1, 6, 6)), np.zeros((1, 6)), np.zeros(1, bool)
         self.local: dict[int, tuple[np.ndarray, tuple[bool, ...]]] = {}  # coef_at's fits since the last fold
 
     def _fold(self) -> None:
         """Adds the unfitted steps to the least-squares sums of their batch sizes, each weighing FORGET less per later
-        step."""
+        step (array operations over every batch size at once: a fold costs the same whatever sizes were seen)."""
         verify, draft, requests, seconds = (np.array(c) for c in zip(*self.unfitted))
         self.unfitted = []
         x = self.features(verify, draft, requests)
         w = FORGET ** np.arange(len(seconds) - 1, -1, -1, dtype=np.float64)
+        grow = int(requests.max()) + 1 - len(self.seen)
+        if grow > 0:
+            self.sums_xx = np.concatenate([self.sums_xx, np.zeros((grow, 6, 6))])
+            self.sums_xy = np.concatenate([self.sums_xy, np.zeros((grow, 6))])
+            self.seen = np.concatenate([self.seen, np.zeros(grow, bool)])
         decay = FORGET ** len(seconds)
-        for r, (xx, xy) in self.by_requests.items():
-            self.by_requests[r] = (decay * xx, decay * xy)
-        for r in np.unique(requests).tolist():
-            rows = requests == r
-            xr, wr = x[rows], w[rows]
-            xx, xy = self.by_requests.get(r, (0.0, 0.0))
-            self.by_requests[r] = (xx + (xr * wr[:, None]).T @ xr, xy + (wr * seconds[rows]) @ xr)
+        self.sums_xx *= decay
+        self.sums_xy *= decay
+        np.add.at(self.sums_xx, requests, w[:, None, None] * x[:, :, None] * x[:, None, :])
+        np.add.at(self.sums_xy, requests, (w * seconds)[:, None] * x)
+        self.seen[requests] = True
         self.local = {r: (np.zeros(0), held) for r, (_, held) in self.local.items()}  # refit when next asked
 
     def coef_at(self, requests: int) -> np.ndarray:
@@ -115,11 +119,12 @@ class CostModel:
         coef, held = self.local.get(requests, (np.zeros(0), (False,) * 6))
         if coef.size:
             return coef
-        xx, xy, near = self.prior_xx.copy(), self.prior_xy.copy(), False
-        for r, (rxx, rxy) in self.by_requests.items():
-            weight = np.exp(-2.0 * np.log2(r / requests) ** 2)
-            if weight > 1e-6:
-                xx, xy, near = xx + weight * rxx, xy + weight * rxy, True
+        sizes = np.flatnonzero(self.seen)
+        weight = np.exp(-2.0 * np.log2(sizes / requests) ** 2)
+        sizes, weight = sizes[weight > 1e-6], weight[weight > 1e-6]
+        near = sizes.size > 0
+        xx = self.prior_xx + np.tensordot(weight, self.sums_xx[sizes], 1)
+        xy = self.prior_xy + weight @ self.sums_xy[sizes]
         # no step of a near size: the prior's coefficients (its sums alone can be singular: a flat calibration)
         coef, held = _bounded_solve(xx, xy, LOWER_BOUNDS, held) if near else (PRIOR_COEF, held)
         self.local[requests] = (coef, held)

@@ -260,14 +260,19 @@ class SpecPolicy:
     def gain_matrix(self, states: list[ReqSpecState], keys: list[str | None], lens: list[int]) -> np.ndarray:
         """[requests, block_size - 1]: expected extra committed tokens of each request's first lens[i] drafts from
         the source whose estimates are keys[i] (None: no proposal), 0 beyond: cumulative products of the request's
-        estimates, a lookup's scaled by what its proposals realised against their expectation."""
+        estimates, a lookup's scaled by what its proposals realised against their expectation. Only the rows with a
+        proposal are computed (at 32 requests a few have a lookup match)."""
         width = self.options.block_size - 1
-        none = [0.0] * width
-        est = np.array([st.accept[k] if k else none for st, k in zip(states, keys)], np.float64).reshape(-1, width)
-        ratio = np.array([(self.realised[k][1] / self.realised[k][0] if k in self.realised else 1.0) if k else 0.0
-                          for k in keys])
-        gains = np.cumprod(est, axis=1) * ratio[:, None]
-        gains[np.arange(width) >= np.asarray(lens)[:, None]] = 0.0
+        gains = np.zeros((len(states), width))
+        rows = [i for i, (k, n) in enumerate(zip(keys, lens)) if k and n]
+        if not rows:
+            return gains
+        est = np.array([states[i].accept[keys[i]] for i in rows], np.float64).reshape(-1, width)
+        ratio = np.array([self.realised[k][1] / self.realised[k][0] if k in self.realised else 1.0
+                          for k in (keys[i] for i in rows)])
+        g = np.cumprod(est, axis=1) * ratio[:, None]
+        g[np.arange(width) >= np.array([lens[i] for i in rows])[:, None]] = 0.0
+        gains[rows] = g
         return gains
 
     def gains(self, state: ReqSpecState, key: str, n: int) -> list[float]:
