@@ -59,11 +59,11 @@ def materialize_draft_kv(
     impl(kv, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps, k_buffer, v_buffer, out_cache_loc)
 
 
-def block_kv_kernel(x: torch.Tensor, k_cache: torch.Tensor) -> Callable | None:
+def block_kv_kernel(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> Callable | None:
     """The C++ `norm_rope_set_kv(q, k, v, q_norm_weight, k_norm_weight, positions, cos_sin_cache, rotary_dim, eps,
     k_cache, v_cache, loc) -> q` of a draft layer's block (queries and keys RMSNormed and rotated in float32, keys and
     values written into rows loc of the layer's pool), on CPU where it builds and x and the pool share a dtype; else
-    None (`DraftAttention.project_qkv` and index_copy_)."""
-    if x.device.type == "cpu" and x.dtype == k_cache.dtype and (kernel := cpu_kernel("draft_kv")) is not None:
+    None (`DraftAttention.project_qkv` and index_copy_). dtype: the block states'; cache_dtype: the pool's."""
+    if device.type == "cpu" and dtype == cache_dtype and (kernel := cpu_kernel("draft_kv")) is not None:
         return kernel.norm_rope_set_kv
     return None

@@ -222,7 +222,7 @@ def test_block_norm_rope_set_kv_cpu_kernel_matches_torch(dtype: torch.dtype, hea
     cache = rope_cache(1000, rot)
     loc = torch.randperm(slots, generator=g)[:t]
     k_cache, v_cache = torch.zeros(slots, nkv, hd, dtype=dtype), torch.zeros(slots, nkv, hd, dtype=dtype)
-    kernel = block_kv_kernel(q, k_cache)
+    kernel = block_kv_kernel(q.device, q.dtype, k_cache.dtype)
     assert kernel is not None
     got_q = kernel(q, k, v, q_w, k_w, positions, cache, rot, 1e-6, k_cache, v_cache, loc)
     want_k, want_v = k_cache.clone().zero_()[None], v_cache.clone().zero_()[None]

@@ -27,9 +27,9 @@ Attend = Callable[["DraftAttention", torch.Tensor, torch.Tensor | None, torch.Te
 """attend(attn, q [T, nH, hd], k [T, nKV, hd], v [T, nKV, hd]) -> o [T, nH, hd]: the attention of the block
 tokens over the keys of their context and of their own block (inference: `PagedBlockAttention`; training:
 `sglang_dflash.training.block_attention.AnchorBlockAttention`). Both carry `block`, the width of the blocks
-the T tokens form, and `project(attn, x, rope) -> (q, k, v)`, the layer's normed and rotated projections of the
+the T tokens form, `project(attn, x, rope) -> (q, k, v)`, the layer's normed and rotated projections of the
 block tokens x (`DraftAttention.project_qkv`; PagedBlockAttention writes k and v into the pool there and may
-return None for them)."""
+return None for them), and `uses_rope`: whether `project` needs the layers' rope (else it is None)."""
 
 
 class DraftAttention(nn.Module):
@@ -59,7 +59,7 @@ class DraftAttention(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(x).view(-1, self.nh, self.hd)), *rope)
         return (q, *self.project_kv(x, rope))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, attend: Attend) -> torch.Tensor:
         return self.o_proj(attend(self, *attend.project(self, x, rope)).reshape(-1, self.nh * self.hd))
 
 
@@ -72,7 +72,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, attend: Attend) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -87,26 +87,27 @@ class PagedBlockAttention:
 
     def __init__(
         self, positions: torch.Tensor, out_cache_loc: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
-        block: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor, cos_sin_cache: torch.Tensor,
+        block: int, k_buffer: torch.Tensor, v_buffer: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype,
     ):
         self.bs, self.block = kv_indices.shape[0], block
         self.positions, self.cos_sin_cache = positions, cos_sin_cache
-        self.out_cache_loc, self.kv_indices = out_cache_loc, kv_indices
+        self.out_cache_loc, self.kv_indices, self.kv_lens = out_cache_loc, kv_indices, kv_lens
         self.k_buffer, self.v_buffer = k_buffer, v_buffer
-        self.kv_pos = torch.arange(kv_indices.shape[1], device=kv_indices.device)
-        self.visible = self.kv_pos[None, :] < kv_lens[:, None]  # [bs, max_kv]
-        self.q_pos = positions.view(self.bs, block)
-        self.rows = torch.arange(self.bs, device=kv_indices.device).repeat_interleave(block)  # block token -> request
-        # as the mask: no key past kv_indices (an overlapped host's bound can lag the device's lengths)
-        self.row_lens = kv_lens.clamp(max=kv_indices.shape[1]).repeat_interleave(block)
+        self.kv_kernel = block_kv_kernel(positions.device, dtype, k_buffer.dtype)  # None: torch projections
+        self.uses_rope = self.kv_kernel is None
+        self.runs = reads_runs(kv_indices.device)  # the C++ kernel: the block's rows attend as one run
+        if self.runs:
+            self.rows = torch.arange(self.bs, device=kv_indices.device).repeat_interleave(block)  # token -> request
+            # as the mask: no key past kv_indices (an overlapped host's bound can lag the device's lengths)
+            self.row_lens = kv_lens.clamp(max=kv_indices.shape[1]).repeat_interleave(block)
 
     def project(
-        self, attn: DraftAttention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, attn: DraftAttention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The block tokens' queries; their keys and values go into the pool (None returned where the kernel wrote
         them)."""
         k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
-        if (kernel := block_kv_kernel(x, k_buffer)) is not None:
+        if (kernel := self.kv_kernel) is not None:
             q = kernel(attn.q_proj(x).view(-1, attn.nh, attn.hd), attn.k_proj(x).view(-1, attn.nkv, attn.hd),
                        attn.v_proj(x).view(-1, attn.nkv, attn.hd), attn.q_norm.weight, attn.k_norm.weight,
                        self.positions, self.cos_sin_cache, self.cos_sin_cache.shape[1], attn.q_norm.eps, k_buffer,
@@ -122,12 +123,13 @@ class PagedBlockAttention:
     ) -> torch.Tensor:
         """Reads the block's own K/V from the pool (`project` wrote them)."""
         k_buffer, v_buffer = self.k_buffer[attn.layer_id], self.v_buffer[attn.layer_id]
-        if not attn.causal and attn.sliding_window is None and reads_runs(q.device):
+        if not attn.causal and attn.sliding_window is None and self.runs:
             o = decode_attention(q, k_buffer, v_buffer, self.kv_indices, self.rows, self.row_lens, attn.hd**-0.5,
                                  self.kv_indices.shape[1])
             return o.to(q.dtype)
-        mask = self.visible[:, None, :]
-        offset = self.q_pos[:, :, None] - self.kv_pos[None, None, :]  # query position - key position
+        kv_pos = torch.arange(self.kv_indices.shape[1], device=q.device)
+        mask = (kv_pos[None, :] < self.kv_lens[:, None])[:, None, :]  # [bs, 1, max_kv]
+        offset = self.positions.view(self.bs, self.block)[:, :, None] - kv_pos[None, None, :]  # query - key position
         if attn.causal:
             mask = mask & (offset >= 0)
         if attn.sliding_window is not None:
@@ -227,7 +229,7 @@ class DFlashDraftModel(nn.Module):
         """
         h = self.embed(input_ids)
         attend = PagedBlockAttention(positions, out_cache_loc, kv_indices, kv_lens, block, k_buffer, v_buffer,
-                                     self.cos_sin_cache)
+                                     self.cos_sin_cache, self.fc.weight.dtype)
         return self.run_layers(h, positions, attend)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -236,7 +238,7 @@ class DFlashDraftModel(nn.Module):
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Block token states h [T, H] at `positions` [T] through every draft layer (before the final norm)."""
-        rope = rope_at(self.rope, positions)
+        rope = rope_at(self.rope, positions) if attend.uses_rope else None  # the C++ block kernel rotates itself
         for layer in self.layers:
             h = layer(h, rope, attend)
         return h

@@ -139,7 +139,7 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, attend: Attend) -> torch.Tensor:
         h = h + self.attention_conv(self.input_layernorm(h), lambda x: self.self_attn(x, rope, attend), attend.block)
         return h + self.mlp_conv(self.post_attention_layernorm(h), self.mlp, attend.block)
 

@@ -84,6 +84,8 @@ class AnchorBlockAttention:
     """Training keys of m anchor blocks of one sequence: each layer's context K/V of every position (its
     own `project_kv` of ctx), then the blocks' own K/V; block j sees context < a_j and itself."""
 
+    uses_rope = True  # `project` rotates with the layers' rope
+
     def __init__(self, draft: DFlashDraftModel, ctx: torch.Tensor, anchors: torch.Tensor, block: int, attention: str):
         if attention not in ("split", "sdpa", "flex"):
             raise ValueError(f"attention must be 'split', 'sdpa' or 'flex', got {attention!r}")
