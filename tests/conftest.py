@@ -177,7 +177,7 @@ def forward_tokens(
             runner.device, logits="all", capture_layer_ids=capture,
         )
         out = runner.forward(fb)
-        logits = list(out.next_token_logits.split(new))
+        logits = list(out.next_token_logits.float().split(new))
         hidden = None if out.hidden_states is None else list(out.hidden_states.split(new))
         return logits, hidden
     finally:

@@ -84,7 +84,8 @@ def apply_penalties(
     logits: torch.Tensor, info: SamplingBatchInfo, output_counts: torch.Tensor, seen_mask: torch.Tensor
 ) -> torch.Tensor:
     """output_counts [n, V]: counts of generated tokens before each row; seen_mask [n, V]: prompt or output.
-    Repetition penalty (HF/SGLang rule) over seen tokens; frequency and presence (OpenAI) over output."""
+    Repetition penalty (HF/SGLang rule) over seen tokens; frequency and presence (OpenAI) over output. Float32."""
+    logits = logits.float()
     rep = info.repetition[:, None]
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen_mask, penalised, logits)

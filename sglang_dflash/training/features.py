@@ -32,7 +32,7 @@ def target_pass(
         )
         out = runner.forward(fb)
         lens = [len(s) for s in seqs]
-        nexts = list(out.next_token_logits.split(lens)) if next_logits else None
+        nexts = list(out.next_token_logits.float().split(lens)) if next_logits else None
         return list(out.hidden_states.split(lens)), nexts
     finally:
         runner.token_to_kv_pool_allocator.free(slots)
